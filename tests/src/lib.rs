@@ -1,0 +1,1 @@
+//! End-to-end tests of the stillpoint workspace live in `tests/`; this library is empty.
