@@ -1,2 +1,109 @@
-//! placeholder
-fn main(){}
+//! `cargo xtask`: the workspace's developer tasks, so that no shell script is needed.
+//!
+//! ```text
+//! cargo xtask setup              check (and where permitted install) build prerequisites
+//! cargo xtask run                setup, then run the main job
+//! cargo xtask test               setup, then every test of the workspace
+//! cargo xtask lint               rustfmt --check and clippy -D warnings
+//! cargo xtask ci                 lint, then test
+//! cargo xtask tidy               the repository rules (also part of `test`)
+//! cargo xtask bench [--quick]    criterion benches; figures to target/bench/report.{md,json}
+//! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
+//! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
+//! ```
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::indexing_slicing))]
+
+mod bench;
+mod fuzz;
+mod release;
+mod setup;
+mod util;
+
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+
+use crate::util::{cargo, workspace_root};
+
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | release [--dry-run] VERSION>";
+
+fn main() -> ExitCode {
+    match run(std::env::args().skip(1).collect()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Vec<String>) -> Result<()> {
+    let root = workspace_root()?;
+    std::env::set_current_dir(&root)?;
+    let (task, rest) = args
+        .split_first()
+        .map_or(("", &[][..]), |(t, r)| (t.as_str(), r));
+    match task {
+        "setup" => setup::run(),
+        "run" => {
+            setup::run()?;
+            main_job(rest)
+        }
+        "test" => {
+            setup::run()?;
+            test()
+        }
+        "lint" => lint(),
+        "ci" => {
+            setup::run()?;
+            lint()?;
+            test()
+        }
+        "tidy" => cargo(&["test", "--package", "xtask", "--test", "tidy"]),
+        "bench" => bench::run(rest),
+        "fuzz" => fuzz::run(rest),
+        "release" => release::run(rest),
+        "" | "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown task `{other}`\n{USAGE}"),
+    }
+}
+
+/// The README's first command. Until the engine and CLI land, the main job is the wire
+/// demo: a checkpoint message exchange encoded, decoded and printed.
+fn main_job(args: &[String]) -> Result<()> {
+    let mut command = vec![
+        "run",
+        "--quiet",
+        "--package",
+        "stillpoint-wire",
+        "--example",
+        "checkpoint_exchange",
+        "--",
+    ];
+    command.extend(args.iter().map(String::as_str));
+    cargo(&command)
+}
+
+/// Every test of the workspace, built once (dev profile): unit, integration, example,
+/// bench smoke tests, then doctests.
+fn test() -> Result<()> {
+    cargo(&["test", "--workspace", "--all-targets", "--locked"])?;
+    cargo(&["test", "--workspace", "--doc", "--locked"])
+}
+
+fn lint() -> Result<()> {
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+        "--",
+        "-D",
+        "warnings",
+    ])
+}

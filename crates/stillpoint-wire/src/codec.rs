@@ -77,7 +77,9 @@ pub enum FrameError {
         max: u32,
     },
     /// The CRC32C in the header does not match the header and payload.
-    #[error("{kind} frame checksum mismatch: header says {expected:#010x}, bytes give {computed:#010x}")]
+    #[error(
+        "{kind} frame checksum mismatch: header says {expected:#010x}, bytes give {computed:#010x}"
+    )]
     ChecksumMismatch {
         /// The frame's kind.
         kind: MessageKind,
@@ -237,7 +239,12 @@ impl<S: FieldSink> FieldWriter<'_, S> {
     fn kind(&mut self, kind: CheckpointKind) {
         self.u8(kind.to_wire());
     }
-    fn short_bytes(&mut self, field: &'static str, bytes: &[u8], max: usize) -> Result<(), EncodeError> {
+    fn short_bytes(
+        &mut self,
+        field: &'static str,
+        bytes: &[u8],
+        max: usize,
+    ) -> Result<(), EncodeError> {
         let len = u16::try_from(bytes.len())
             .ok()
             .filter(|len| usize::from(*len) <= max)
@@ -341,7 +348,11 @@ fn write_payload<S: FieldSink>(message: &Message, sink: &mut S) -> Result<(), En
             match &m.outcome {
                 ReportOutcome::Built(r) => {
                     w.u8(0);
-                    w.short_bytes("manifest", r.manifest.as_str().as_bytes(), RelativePath::MAX_LEN)?;
+                    w.short_bytes(
+                        "manifest",
+                        r.manifest.as_str().as_bytes(),
+                        RelativePath::MAX_LEN,
+                    )?;
                     w.sink.put(&r.manifest_sha256.0);
                     w.u64(r.state_bytes);
                     w.u64(r.uploaded_bytes);
@@ -691,7 +702,8 @@ impl FieldReader {
     }
     fn kind(&mut self) -> Result<CheckpointKind, FrameError> {
         let raw = self.u8("kind")?;
-        CheckpointKind::from_wire(raw).ok_or_else(|| self.malformed("kind", FieldProblem::InvalidTag(raw)))
+        CheckpointKind::from_wire(raw)
+            .ok_or_else(|| self.malformed("kind", FieldProblem::InvalidTag(raw)))
     }
     fn tag(&mut self, field: &'static str, max: u8) -> Result<u8, FrameError> {
         let raw = self.u8(field)?;
@@ -709,11 +721,13 @@ impl FieldReader {
     }
     fn text(&mut self, field: &'static str, max: usize) -> Result<String, FrameError> {
         let bytes = self.short_bytes(field, max)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| self.malformed(field, FieldProblem::InvalidUtf8))
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| self.malformed(field, FieldProblem::InvalidUtf8))
     }
     fn path(&mut self, field: &'static str) -> Result<RelativePath, FrameError> {
         let text = self.text(field, RelativePath::MAX_LEN)?;
-        RelativePath::new(text).map_err(|problem| self.malformed(field, FieldProblem::InvalidPath(problem)))
+        RelativePath::new(text)
+            .map_err(|problem| self.malformed(field, FieldProblem::InvalidPath(problem)))
     }
     fn offset(&mut self) -> Result<Option<SourceOffset>, FrameError> {
         if self.tag("source_offset", 1)? == 0 {

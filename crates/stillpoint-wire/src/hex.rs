@@ -34,7 +34,10 @@ fn nibble(text: &str, index: usize) -> Result<u8, HexError> {
         b'a'..=b'f' => Ok(byte - b'a' + 10),
         _ => Err(HexError::InvalidChar {
             // Every earlier character was ASCII, so `index` is a character boundary.
-            found: text.get(index..).and_then(|rest| rest.chars().next()).unwrap_or('\0'),
+            found: text
+                .get(index..)
+                .and_then(|rest| rest.chars().next())
+                .unwrap_or('\0'),
             index,
         }),
     }
@@ -61,15 +64,24 @@ mod tests {
         assert_eq!(decode("abc"), Err(HexError::OddLength(3)));
         assert_eq!(
             decode("0g"),
-            Err(HexError::InvalidChar { found: 'g', index: 1 })
+            Err(HexError::InvalidChar {
+                found: 'g',
+                index: 1
+            })
         );
         assert_eq!(
             decode("AB"),
-            Err(HexError::InvalidChar { found: 'A', index: 0 })
+            Err(HexError::InvalidChar {
+                found: 'A',
+                index: 0
+            })
         );
         assert_eq!(
             decode("aéb"),
-            Err(HexError::InvalidChar { found: 'é', index: 1 })
+            Err(HexError::InvalidChar {
+                found: 'é',
+                index: 1
+            })
         );
     }
 }

@@ -41,7 +41,12 @@
 
 #![cfg_attr(
     test,
-    allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
 )]
 
 mod codec;
@@ -72,3 +77,8 @@ pub use message::{
 };
 pub use offset::{OffsetTooLong, SourceOffset};
 pub use path::{PathProblem, RelativePath};
+
+/// The crate README's example, compiled and run as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctest;

@@ -352,7 +352,10 @@ fn parse_path(field: impl FnOnce() -> String, path: String) -> Result<RelativePa
     RelativePath::new(path.as_str()).map_err(|problem| {
         let mut shown = path;
         if shown.len() > 200 {
-            let cut = (0..=200).rev().find(|i| shown.is_char_boundary(*i)).unwrap_or(0);
+            let cut = (0..=200)
+                .rev()
+                .find(|i| shown.is_char_boundary(*i))
+                .unwrap_or(0);
             shown.truncate(cut);
         }
         ManifestError::InvalidPath {
@@ -474,7 +477,11 @@ impl SnapshotManifest {
     /// Sum of the sizes of files not shared with the previous snapshot.
     #[must_use]
     pub fn new_bytes(&self) -> u64 {
-        self.files.iter().filter(|f| !f.shared).map(|f| f.size).sum()
+        self.files
+            .iter()
+            .filter(|f| !f.shared)
+            .map(|f| f.size)
+            .sum()
     }
 }
 

@@ -99,7 +99,10 @@ mod tests {
         let offset = SourceOffset::from_u64(1234);
         assert_eq!(offset.as_u64(), Some(1234));
         assert_eq!(offset.to_string(), "1234");
-        assert_eq!(SourceOffset::new(vec![1, 2, 3]).map(|o| o.to_string()), Ok("010203".into()));
+        assert_eq!(
+            SourceOffset::new(vec![1, 2, 3]).map(|o| o.to_string()),
+            Ok("010203".into())
+        );
     }
 
     #[test]

@@ -173,14 +173,20 @@ mod tests {
         check("./a", Err(PathProblem::EmptyComponent));
         check("a/", Err(PathProblem::EmptyComponent));
         check("a\0b", Err(PathProblem::ControlCharacter));
-        check(&"x".repeat(RelativePath::MAX_LEN + 1), Err(PathProblem::TooLong));
+        check(
+            &"x".repeat(RelativePath::MAX_LEN + 1),
+            Err(PathProblem::TooLong),
+        );
     }
 
     #[test]
     fn join_and_file_name() {
         let dir = RelativePath::new("tasks/task-1").unwrap();
         assert_eq!(dir.file_name(), "task-1");
-        assert_eq!(dir.join("MANIFEST").map(|p| p.to_string()), Ok("tasks/task-1/MANIFEST".into()));
+        assert_eq!(
+            dir.join("MANIFEST").map(|p| p.to_string()),
+            Ok("tasks/task-1/MANIFEST".into())
+        );
         assert_eq!(dir.join("../x"), Err(PathProblem::ParentComponent));
     }
 }

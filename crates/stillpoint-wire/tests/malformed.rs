@@ -2,7 +2,12 @@
 //!
 //! Frames are built here by hand from `docs/wire-format.md` (not with the crate's
 //! encoder), so these tests also pin the byte layout.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use bytes::{Bytes, BytesMut};
 use stillpoint_wire::*;
@@ -56,8 +61,20 @@ fn built_report(path: &[u8], path_len: u16) -> Vec<u8> {
     ])
 }
 
+/// `(name, decoder, input, expected)`.
+type FrameCase = (
+    &'static str,
+    FrameDecoder,
+    Vec<u8>,
+    Result<Message, FrameError>,
+);
+
 fn malformed(kind: MessageKind, field: &'static str, problem: FieldProblem) -> FrameError {
-    FrameError::MalformedField { kind, field, problem }
+    FrameError::MalformedField {
+        kind,
+        field,
+        problem,
+    }
 }
 
 fn check(name: &str, decoder: FrameDecoder, input: Vec<u8>, expected: Result<Message, FrameError>) {
@@ -87,7 +104,7 @@ fn malformed_frames_give_exact_errors() {
         kind: CheckpointKind::Checkpoint,
     });
     #[rustfmt::skip]
-    let cases: Vec<(&str, FrameDecoder, Vec<u8>, Result<Message, FrameError>)> = vec![
+    let cases: Vec<FrameCase> = vec![
         ("well-formed barrier", d, good.clone(), Ok(barrier)),
         ("empty input", d, vec![], Err(FrameError::Truncated { needed: 16, available: 0 })),
         ("header cut short", d, good[..10].to_vec(), Err(FrameError::Truncated { needed: 16, available: 10 })),
@@ -138,13 +155,20 @@ fn incremental_decoder_waits_for_bytes_then_fails_early() {
 
     // A wrong magic is refused as soon as four bytes are there.
     let mut buf = BytesMut::from(&b"GET "[..]);
-    assert_eq!(decoder.decode(&mut buf), Err(FrameError::BadMagic { found: *b"GET " }));
+    assert_eq!(
+        decoder.decode(&mut buf),
+        Err(FrameError::BadMagic { found: *b"GET " })
+    );
 
     // A header claiming 4 GiB is refused before any payload arrives, and nothing asks
     // the caller to read more than the configured maximum.
     let huge = cat(&[b"SPNT", &[1, 12, 0, 0], &u32::MAX.to_le_bytes(), &[0; 4]]);
     let mut buf = BytesMut::from(&huge[..]);
-    let err = FrameError::FrameTooLarge { kind: MessageKind::Data, length: u32::MAX, max: 1024 };
+    let err = FrameError::FrameTooLarge {
+        kind: MessageKind::Data,
+        length: u32::MAX,
+        max: 1024,
+    };
     assert_eq!(decoder.decode(&mut buf), Err(err.clone()));
     assert_eq!(decoder.bytes_needed(&buf), 0);
     assert_eq!(decoder.finish(&buf), Err(err));
@@ -155,9 +179,18 @@ fn incremental_decoder_waits_for_bytes_then_fails_early() {
     let mut buf = BytesMut::from(&good[..20]);
     assert_eq!(decoder.decode(&mut buf), Ok(None));
     assert_eq!(decoder.bytes_needed(&buf), good.len() - 20);
-    assert_eq!(decoder.finish(&buf), Err(FrameError::Truncated { needed: good.len(), available: 20 }));
+    assert_eq!(
+        decoder.finish(&buf),
+        Err(FrameError::Truncated {
+            needed: good.len(),
+            available: 20
+        })
+    );
     buf.extend_from_slice(&good[20..]);
-    assert!(matches!(decoder.decode(&mut buf), Ok(Some(Message::Barrier(_)))));
+    assert!(matches!(
+        decoder.decode(&mut buf),
+        Ok(Some(Message::Barrier(_)))
+    ));
     assert_eq!(decoder.finish(&buf), Ok(()));
 }
 
@@ -169,7 +202,9 @@ fn encoder_refuses_what_a_frame_cannot_carry() {
         node: NodeId(1),
         checkpoint: CheckpointId(1),
         trans: TransId(1),
-        outcome: ReportOutcome::Failed { reason: "x".repeat(70_000) },
+        outcome: ReportOutcome::Failed {
+            reason: "x".repeat(70_000),
+        },
     });
     let mut buf = BytesMut::new();
     assert_eq!(
@@ -192,12 +227,19 @@ fn encoder_refuses_what_a_frame_cannot_carry() {
     });
     assert_eq!(
         encode_with_limit(&data, &mut buf, 1024),
-        Err(EncodeError::FrameTooLarge { kind: MessageKind::Data, length: 2020, max: 1024 })
+        Err(EncodeError::FrameTooLarge {
+            kind: MessageKind::Data,
+            length: 2020,
+            max: 1024
+        })
     );
     let mut fixed = [0_u8; 32];
     assert_eq!(
         encode(&data, &mut &mut fixed[..]),
-        Err(EncodeError::BufferTooSmall { needed: 2036, available: 32 })
+        Err(EncodeError::BufferTooSmall {
+            needed: 2036,
+            available: 32
+        })
     );
     assert_eq!(fixed, [0; 32], "nothing written on error");
 }
@@ -207,7 +249,8 @@ fn encoder_refuses_what_a_frame_cannot_carry() {
 
 fn seal(format: &str, version: u32, body: &str) -> Vec<u8> {
     let sha = Sha256Digest::of(body.as_bytes());
-    format!(r#"{{"format":"{format}","version":{version},"sha256":"{sha}","body":{body}}}"#).into_bytes()
+    format!(r#"{{"format":"{format}","version":{version},"sha256":"{sha}","body":{body}}}"#)
+        .into_bytes()
 }
 
 const SNAP: &str = "stillpoint/snapshot-manifest";
@@ -231,7 +274,9 @@ fn checkpoint_body(tasks: &str, sources: &str) -> String {
 }
 
 fn task_ref(task: u32, manifest: &str) -> String {
-    format!(r#"{{"task":{task},"node":1,"manifest":"{manifest}","sha256":"{DIGEST}","state_bytes":10}}"#)
+    format!(
+        r#"{{"task":{task},"node":1,"manifest":"{manifest}","sha256":"{DIGEST}","state_bytes":10}}"#
+    )
 }
 
 /// The 1-based column serde_json reports for an error in the value ending with `needle`.
@@ -240,15 +285,27 @@ fn column_after(body: &str, needle: &str) -> usize {
 }
 
 fn check_snapshot(name: &str, input: Vec<u8>, expected: Result<(), ManifestError>) {
-    assert_eq!(SnapshotManifest::parse(&input).map(|_| ()), expected, "case {name:?}");
+    assert_eq!(
+        SnapshotManifest::parse(&input).map(|_| ()),
+        expected,
+        "case {name:?}"
+    );
 }
 
 fn check_checkpoint(name: &str, input: Vec<u8>, expected: Result<(), ManifestError>) {
-    assert_eq!(CheckpointManifest::parse(&input).map(|_| ()), expected, "case {name:?}");
+    assert_eq!(
+        CheckpointManifest::parse(&input).map(|_| ()),
+        expected,
+        "case {name:?}"
+    );
 }
 
 fn bad_path(field: &str, path: &str, problem: PathProblem) -> Result<(), ManifestError> {
-    Err(ManifestError::InvalidPath { field: field.into(), path: path.into(), problem })
+    Err(ManifestError::InvalidPath {
+        field: field.into(),
+        path: path.into(),
+        problem,
+    })
 }
 
 #[test]
@@ -307,7 +364,7 @@ fn malformed_checkpoint_manifests_give_exact_errors() {
         ("source offset twice", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, r#"{"task":1,"offset":""},{"task":1,"offset":"00"}"#)), Err(ManifestError::DuplicateSource(TaskId(1)))),
         ("offset for unknown task", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, r#"{"task":7,"offset":"00"}"#)), Err(ManifestError::UnknownSource(TaskId(7)))),
         ("offset not hex", seal(CKPT_FORMAT, 1, &not_hex), Err(ManifestError::Malformed { part: "body", line: 1, column: column_after(&not_hex, r#""zz"}"#), message: "invalid hex character 'z' at index 0".into() })),
-        ("unknown checkpoint kind", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, "").replace(r#""checkpoint","#, r#""snapshot","#)), Err(ManifestError::Malformed { part: "body", line: 1, column: 47, message: "unknown variant `snapshot`, expected `checkpoint` or `savepoint`".into() })),
+        ("unknown checkpoint kind", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, "").replace(r#""checkpoint","#, r#""snapshot","#)), Err(ManifestError::Malformed { part: "body", line: 1, column: 54, message: "unknown variant `snapshot`, expected `checkpoint` or `savepoint`".into() })),
         ("zero max parallelism", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, "").replace(r#""max_parallelism":128"#, r#""max_parallelism":0"#)), Err(ManifestError::InvalidKeyGroups { start: 0, end: 0, max_parallelism: 0 })),
     ];
     for (name, input, expected) in cases {

@@ -1,13 +1,21 @@
 //! Property tests: every message and manifest survives encode → decode unchanged,
 //! whole or split at any byte, and decoding arbitrary bytes never panics.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use stillpoint_wire::*;
 
 fn kind() -> impl Strategy<Value = CheckpointKind> {
-    prop_oneof![Just(CheckpointKind::Checkpoint), Just(CheckpointKind::Savepoint)]
+    prop_oneof![
+        Just(CheckpointKind::Checkpoint),
+        Just(CheckpointKind::Savepoint)
+    ]
 }
 
 fn offset() -> impl Strategy<Value = SourceOffset> {
@@ -16,7 +24,9 @@ fn offset() -> impl Strategy<Value = SourceOffset> {
 
 fn path() -> impl Strategy<Value = RelativePath> {
     prop::collection::vec("[a-zA-Z0-9_][a-zA-Z0-9_.-]{0,12}", 1..4)
-        .prop_filter_map("`.`/`..` components", |parts| RelativePath::new(parts.join("/")).ok())
+        .prop_filter_map("`.`/`..` components", |parts| {
+            RelativePath::new(parts.join("/")).ok()
+        })
 }
 
 fn digest() -> impl Strategy<Value = Sha256Digest> {
@@ -62,31 +72,79 @@ fn message() -> impl Strategy<Value = Message> {
     let x = || any::<u32>().prop_map(TransId);
     prop_oneof![
         (s.clone(), t(), c(), x(), kind()).prop_map(|(stream, task, checkpoint, trans, kind)| {
-            CheckpointSource { stream, task, checkpoint, trans, kind }.into()
+            CheckpointSource {
+                stream,
+                task,
+                checkpoint,
+                trans,
+                kind,
+            }
+            .into()
         }),
         (s.clone(), t(), n(), c(), x()).prop_map(|(stream, task, node, checkpoint, trans)| {
-            CheckpointSourceRsp { stream, task, node, checkpoint, trans }.into()
+            CheckpointSourceRsp {
+                stream,
+                task,
+                node,
+                checkpoint,
+                trans,
+            }
+            .into()
         }),
         (s.clone(), t(), t(), c(), x(), kind()).prop_map(
             |(stream, upstream, downstream, checkpoint, trans, kind)| {
-                Barrier { stream, upstream, downstream, checkpoint, trans, kind }.into()
+                Barrier {
+                    stream,
+                    upstream,
+                    downstream,
+                    checkpoint,
+                    trans,
+                    kind,
+                }
+                .into()
             }
         ),
         (s.clone(), t(), t(), c()).prop_map(|(stream, upstream, downstream, checkpoint)| {
-            BarrierAck { stream, upstream, downstream, checkpoint }.into()
+            BarrierAck {
+                stream,
+                upstream,
+                downstream,
+                checkpoint,
+            }
+            .into()
         }),
         (s.clone(), t(), t(), n(), c(), x()).prop_map(
             |(stream, upstream, downstream, downstream_node, checkpoint, trans)| {
-                CheckpointReady { stream, upstream, downstream, downstream_node, checkpoint, trans }
-                    .into()
+                CheckpointReady {
+                    stream,
+                    upstream,
+                    downstream,
+                    downstream_node,
+                    checkpoint,
+                    trans,
+                }
+                .into()
             }
         ),
         (s.clone(), t(), t(), c()).prop_map(|(stream, upstream, downstream, checkpoint)| {
-            CheckpointReadyAck { stream, upstream, downstream, checkpoint }.into()
+            CheckpointReadyAck {
+                stream,
+                upstream,
+                downstream,
+                checkpoint,
+            }
+            .into()
         }),
         (s.clone(), t(), t(), n(), c()).prop_map(
             |(stream, upstream, downstream, downstream_node, checkpoint)| {
-                RetrieveBarrier { stream, upstream, downstream, downstream_node, checkpoint }.into()
+                RetrieveBarrier {
+                    stream,
+                    upstream,
+                    downstream,
+                    downstream_node,
+                    checkpoint,
+                }
+                .into()
             }
         ),
         (
@@ -100,7 +158,14 @@ fn message() -> impl Strategy<Value = Message> {
             ]
         )
             .prop_map(|(stream, upstream, downstream, checkpoint, answer)| {
-                RetrieveBarrierRsp { stream, upstream, downstream, checkpoint, answer }.into()
+                RetrieveBarrierRsp {
+                    stream,
+                    upstream,
+                    downstream,
+                    checkpoint,
+                    answer,
+                }
+                .into()
             }),
         (
             s.clone(),
@@ -114,24 +179,66 @@ fn message() -> impl Strategy<Value = Message> {
             ]
         )
             .prop_map(|(stream, task, node, checkpoint, trans, outcome)| {
-                CheckpointReport { stream, task, node, checkpoint, trans, outcome }.into()
+                CheckpointReport {
+                    stream,
+                    task,
+                    node,
+                    checkpoint,
+                    trans,
+                    outcome,
+                }
+                .into()
             }),
-        (s.clone(), t(), c(), x(), any::<u64>(), prop::option::of(offset())).prop_map(
-            |(stream, task, checkpoint, trans, completed_at_millis, source_offset)| {
-                CheckpointComplete { stream, task, checkpoint, trans, completed_at_millis, source_offset }
+        (
+            s.clone(),
+            t(),
+            c(),
+            x(),
+            any::<u64>(),
+            prop::option::of(offset())
+        )
+            .prop_map(
+                |(stream, task, checkpoint, trans, completed_at_millis, source_offset)| {
+                    CheckpointComplete {
+                        stream,
+                        task,
+                        checkpoint,
+                        trans,
+                        completed_at_millis,
+                        source_offset,
+                    }
                     .into()
-            }
-        ),
+                }
+            ),
         (s.clone(), t(), c(), x(), abort_reason()).prop_map(
             |(stream, task, checkpoint, trans, reason)| {
-                CheckpointAbort { stream, task, checkpoint, trans, reason }.into()
+                CheckpointAbort {
+                    stream,
+                    task,
+                    checkpoint,
+                    trans,
+                    reason,
+                }
+                .into()
             }
         ),
-        (s, t(), t(), any::<u32>(), prop::collection::vec(any::<u8>(), 0..512)).prop_map(
-            |(stream, upstream, downstream, records, payload)| {
-                Data { stream, upstream, downstream, records, payload: Bytes::from(payload) }.into()
-            }
-        ),
+        (
+            s,
+            t(),
+            t(),
+            any::<u32>(),
+            prop::collection::vec(any::<u8>(), 0..512)
+        )
+            .prop_map(|(stream, upstream, downstream, records, payload)| {
+                Data {
+                    stream,
+                    upstream,
+                    downstream,
+                    records,
+                    payload: Bytes::from(payload),
+                }
+                .into()
+            }),
     ]
 }
 
@@ -147,21 +254,35 @@ fn snapshot_manifest() -> impl Strategy<Value = SnapshotManifest> {
         prop::collection::btree_map("[a-z_]{1,8}", ".{0,12}", 0..3),
         prop::collection::btree_map(path(), (any::<u64>(), digest(), any::<bool>()), 0..8),
     )
-        .prop_map(|(stream, task, checkpoint, max, (a, b), kind, version, options, files)| {
-            let (start, end) = (a % (max + 1), b % (max + 1));
-            SnapshotManifest {
-                stream: StreamId(stream),
-                task: TaskId(task),
-                checkpoint: CheckpointId(checkpoint),
-                max_parallelism: max,
-                key_groups: KeyGroupRange { start: start.min(end), end: start.max(end) },
-                backend: BackendInfo { kind, version, options },
-                files: files
-                    .into_iter()
-                    .map(|(path, (size, sha256, shared))| SnapshotFile { path, size, sha256, shared })
-                    .collect(),
-            }
-        })
+        .prop_map(
+            |(stream, task, checkpoint, max, (a, b), kind, version, options, files)| {
+                let (start, end) = (a % (max + 1), b % (max + 1));
+                SnapshotManifest {
+                    stream: StreamId(stream),
+                    task: TaskId(task),
+                    checkpoint: CheckpointId(checkpoint),
+                    max_parallelism: max,
+                    key_groups: KeyGroupRange {
+                        start: start.min(end),
+                        end: start.max(end),
+                    },
+                    backend: BackendInfo {
+                        kind,
+                        version,
+                        options,
+                    },
+                    files: files
+                        .into_iter()
+                        .map(|(path, (size, sha256, shared))| SnapshotFile {
+                            path,
+                            size,
+                            sha256,
+                            shared,
+                        })
+                        .collect(),
+                }
+            },
+        )
 }
 
 fn checkpoint_manifest() -> impl Strategy<Value = CheckpointManifest> {
@@ -169,38 +290,49 @@ fn checkpoint_manifest() -> impl Strategy<Value = CheckpointManifest> {
         any::<(u64, u64, u32, u64)>(),
         kind(),
         1..=32_768_u32,
-        prop::collection::btree_map(any::<u32>(), (any::<u32>(), path(), digest(), any::<u64>()), 0..8),
+        prop::collection::btree_map(
+            any::<u32>(),
+            (any::<u32>(), path(), digest(), any::<u64>()),
+            0..8,
+        ),
         prop::collection::vec((any::<bool>(), offset()), 0..8),
     )
-        .prop_map(|((stream, checkpoint, trans, created), kind, max, tasks, offsets)| {
-            let tasks: Vec<TaskSnapshotRef> = tasks
-                .into_iter()
-                .map(|(task, (node, manifest, sha256, state_bytes))| TaskSnapshotRef {
-                    task: TaskId(task),
-                    node: NodeId(node),
-                    manifest,
-                    sha256,
-                    state_bytes,
-                })
-                .collect();
-            // Sources are a subset of the tasks, each at most once.
-            let sources = tasks
-                .iter()
-                .zip(offsets)
-                .filter(|(_, (is_source, _))| *is_source)
-                .map(|(task, (_, offset))| SourcePosition { task: task.task, offset })
-                .collect();
-            CheckpointManifest {
-                stream: StreamId(stream),
-                checkpoint: CheckpointId(checkpoint),
-                trans: TransId(trans),
-                kind,
-                created_at_millis: created,
-                max_parallelism: max,
-                tasks,
-                sources,
-            }
-        })
+        .prop_map(
+            |((stream, checkpoint, trans, created), kind, max, tasks, offsets)| {
+                let tasks: Vec<TaskSnapshotRef> = tasks
+                    .into_iter()
+                    .map(
+                        |(task, (node, manifest, sha256, state_bytes))| TaskSnapshotRef {
+                            task: TaskId(task),
+                            node: NodeId(node),
+                            manifest,
+                            sha256,
+                            state_bytes,
+                        },
+                    )
+                    .collect();
+                // Sources are a subset of the tasks, each at most once.
+                let sources = tasks
+                    .iter()
+                    .zip(offsets)
+                    .filter(|(_, (is_source, _))| *is_source)
+                    .map(|(task, (_, offset))| SourcePosition {
+                        task: task.task,
+                        offset,
+                    })
+                    .collect();
+                CheckpointManifest {
+                    stream: StreamId(stream),
+                    checkpoint: CheckpointId(checkpoint),
+                    trans: TransId(trans),
+                    kind,
+                    created_at_millis: created,
+                    max_parallelism: max,
+                    tasks,
+                    sources,
+                }
+            },
+        )
 }
 
 proptest! {
@@ -295,6 +427,9 @@ fn data_payload_shares_the_receive_buffer() {
     let Some(Message::Data(data)) = FrameDecoder::default().decode(&mut buf).unwrap() else {
         panic!("expected data");
     };
-    assert!(received.contains(&(data.payload.as_ptr() as usize)), "payload was copied");
+    assert!(
+        received.contains(&(data.payload.as_ptr() as usize)),
+        "payload was copied"
+    );
     assert_eq!(data.payload.len(), 4096);
 }

@@ -1,0 +1,193 @@
+//! `cargo xtask bench [--quick]`: every criterion bench of the workspace, then a report.
+//!
+//! Benches print figures as lines of the form
+//!
+//! ```text
+//! FIGURE <name> = <value> <unit> [goal <op> <target>] [(<note>)]
+//! ```
+//!
+//! where `<op>` is `>=` or `<=`. They are collected into `target/bench/report.json`
+//! and `target/bench/report.md` with the machine's facts. Each figure is a ratio or
+//! rate measured within one run, never compared with another machine's timings.
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+use crate::util::{capture, cargo_bin, target_dir};
+
+/// One collected figure.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Figure {
+    pub(crate) name: String,
+    pub(crate) value: f64,
+    pub(crate) unit: String,
+    pub(crate) goal: Option<(String, f64)>,
+    pub(crate) note: String,
+}
+
+impl Figure {
+    pub(crate) fn met(&self) -> Option<bool> {
+        let (op, target) = self.goal.as_ref()?;
+        Some(match op.as_str() {
+            ">=" => self.value >= *target,
+            "<=" => self.value <= *target,
+            _ => return None,
+        })
+    }
+}
+
+/// Parses one `FIGURE` line; `None` for any other line.
+pub(crate) fn parse_figure(line: &str) -> Option<Figure> {
+    let rest = line.trim().strip_prefix("FIGURE ")?;
+    let (name, rest) = rest.split_once(" = ")?;
+    let (rest, note) = match rest.split_once(" (") {
+        Some((head, note)) => (head, note.trim_end_matches(')').to_owned()),
+        None => (rest, String::new()),
+    };
+    let mut words = rest.split_whitespace();
+    let value: f64 = words.next()?.parse().ok()?;
+    let unit = words.next()?.to_owned();
+    let goal = match (words.next(), words.next(), words.next()) {
+        (Some("goal"), Some(op), Some(target)) => Some((op.to_owned(), target.parse().ok()?)),
+        _ => None,
+    };
+    Some(Figure {
+        name: name.trim().to_owned(),
+        value,
+        unit,
+        goal,
+        note,
+    })
+}
+
+fn machine_facts() -> Vec<(String, String)> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, model)| model.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let rustc = capture(Command::new("rustc").arg("--version"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default();
+    let date = capture(Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default();
+    vec![
+        ("cpu".into(), cpu),
+        ("cores".into(), cores.to_string()),
+        ("rustc".into(), rustc),
+        ("date".into(), date),
+    ]
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let quick = args.iter().any(|a| a == "--quick");
+    if let Some(other) = args.iter().find(|a| *a != "--quick") {
+        bail!("unknown bench option `{other}`");
+    }
+    let mut command = Command::new(cargo_bin());
+    command.args(["bench", "--workspace", "--locked", "--"]);
+    if quick {
+        command.arg("--quick");
+    }
+    eprintln!("xtask: $ {command:?}");
+    let mut child = command
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("cannot start cargo bench")?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut figures = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        figures.extend(parse_figure(&line));
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("cargo bench failed: {status}");
+    }
+    write_report(&figures, quick)
+}
+
+fn write_report(figures: &[Figure], quick: bool) -> Result<()> {
+    let dir = target_dir()?.join("bench");
+    std::fs::create_dir_all(&dir)?;
+    let facts = machine_facts();
+
+    let mut md = String::from("# stillpoint bench report\n\n");
+    for (key, value) in &facts {
+        let _ = writeln!(md, "- {key}: {value}");
+    }
+    let _ = writeln!(md, "- mode: {}\n", if quick { "quick" } else { "full" });
+    md.push_str("| figure | value | goal | met |\n| --- | --- | --- | --- |\n");
+    for f in figures {
+        let goal = f
+            .goal
+            .as_ref()
+            .map_or_else(|| "—".into(), |(op, t)| format!("{op} {t}"));
+        let met = match f.met() {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "—",
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} {} | {goal} | {met} |",
+            f.name, f.value, f.unit
+        );
+    }
+    std::fs::write(dir.join("report.md"), &md)?;
+
+    let json = json!({
+        "machine": facts.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "quick": quick,
+        "figures": figures.iter().map(|f| json!({
+            "name": f.name,
+            "value": f.value,
+            "unit": f.unit,
+            "goal": f.goal.as_ref().map(|(op, t)| format!("{op} {t}")),
+            "met": f.met(),
+            "note": f.note,
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(
+        dir.join("report.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    println!("\n{md}");
+    eprintln!("xtask: bench report in {}", dir.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_figure_lines() {
+        let f =
+            parse_figure("FIGURE wire.ratio = 1.25 ratio goal >= 1.0 (decode ÷ baseline)").unwrap();
+        assert_eq!(f.name, "wire.ratio");
+        assert_eq!(f.value, 1.25);
+        assert_eq!(f.unit, "ratio");
+        assert_eq!(f.goal, Some((">=".into(), 1.0)));
+        assert_eq!(f.note, "decode ÷ baseline");
+        assert_eq!(f.met(), Some(true));
+
+        let f = parse_figure("FIGURE p99 = 12 ms goal <= 10").unwrap();
+        assert_eq!(f.met(), Some(false));
+        let f = parse_figure("FIGURE rate = 5 msg/s").unwrap();
+        assert_eq!((f.met(), f.goal), (None, None));
+        assert_eq!(parse_figure("control/barrier time: [1 ns 2 ns 3 ns]"), None);
+        assert_eq!(parse_figure("FIGURE broken = x ratio"), None);
+    }
+}
