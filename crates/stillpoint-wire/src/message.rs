@@ -208,7 +208,9 @@ pub struct RetrieveBarrier {
 pub enum RetrieveAnswer {
     /// The upstream has not reached the barrier yet; the downstream keeps waiting.
     NotYetSent,
-    /// The upstream already sent the barrier; this answer stands in for it.
+    /// The upstream already put the barrier on the data channel, behind the records
+    /// sent before it. The answer does not stand in for the barrier: only the in-band
+    /// barrier proves those records were applied (see `docs/state-machines.md`).
     AlreadySent {
         /// The barrier's transaction.
         trans: TransId,
