@@ -9,6 +9,7 @@
 //! cargo xtask tidy               the repository rules (also part of `test`)
 //! cargo xtask bench [--quick]    criterion benches; figures to target/bench/report.{md,json}
 //! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
+//! cargo xtask sim [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulator
 //! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -26,7 +27,7 @@ use anyhow::{Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | release [--dry-run] VERSION>";
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | release [--dry-run] VERSION>";
 
 fn main() -> ExitCode {
     match run(std::env::args().skip(1).collect()) {
@@ -63,6 +64,7 @@ fn run(args: Vec<String>) -> Result<()> {
         "tidy" => cargo(&["test", "--package", "xtask", "--test", "tidy"]),
         "bench" => bench::run(rest),
         "fuzz" => fuzz::run(rest),
+        "sim" => sim(rest),
         "release" => release::run(rest),
         "" | "help" | "--help" | "-h" => {
             println!("{USAGE}");
@@ -82,6 +84,25 @@ fn main_job(args: &[String]) -> Result<()> {
         "stillpoint-wire",
         "--example",
         "checkpoint_exchange",
+        "--",
+    ];
+    command.extend(args.iter().map(String::as_str));
+    cargo(&command)
+}
+
+/// The protocol simulator of `stillpoint-task` over many seeds (CI runs 10,000 runs;
+/// this runs as many as asked). Built in the dev profile, which optimizes the protocol
+/// crate, so it shares the test build.
+fn sim(args: &[String]) -> Result<()> {
+    let mut command = vec![
+        "run",
+        "--quiet",
+        "--package",
+        "stillpoint-task",
+        "--features",
+        "sim",
+        "--example",
+        "simulate",
         "--",
     ];
     command.extend(args.iter().map(String::as_str));

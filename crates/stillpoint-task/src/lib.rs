@@ -98,3 +98,8 @@ pub use task::{
     TaskStatus,
 };
 pub use time::Time;
+
+/// The crate README's example, compiled and run as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctest;
