@@ -98,6 +98,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     command.args(["bench", "--workspace", "--locked", "--"]);
     if quick {
         command.arg("--quick");
+        // State benches: 1 M keys (~100 MiB) instead of 10 M (~1 GiB) and 8× that.
+        command.env("STILLPOINT_BENCH_KEYS", "1000000");
     }
     eprintln!("xtask: $ {command:?}");
     let mut child = command

@@ -1,0 +1,284 @@
+//! State benches, each a ratio measured in the same run:
+//! - keyed read-modify-write with 1,000 hot keys: write-back cache ÷ raw RocksDB
+//!   get+put (goal ≥ 5), and with uniformly random keys over a large key space
+//!   (goal ≥ 0.9);
+//! - the task's stall at a barrier (the O(1) freeze) p99, next to what a synchronous
+//!   flush of the same dirty data costs;
+//! - snapshot export (write frozen batch + flush + checkpoint) at 1× and 8× the state
+//!   with the same changed data (goal ratio ≤ 1.5);
+//! - manifest time of a second snapshot after 1% of keys changed.
+//!
+//! Sizes: `STILLPOINT_BENCH_KEYS` keys of 100-byte values for the large state
+//! (default 10,000,000 ≈ 1 GiB; `cargo xtask bench --quick` sets 1,000,000).
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::print_stdout,
+    clippy::indexing_slicing,
+    clippy::cast_possible_truncation
+)]
+
+use std::hint::black_box;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group};
+use rocksdb::{DB, Options, WriteOptions};
+use stillpoint_state::*;
+use stillpoint_wire::{CheckpointId, StreamId, TaskId};
+
+const OWNER: StateOwner = StateOwner {
+    stream: StreamId(1),
+    task: TaskId(1),
+};
+
+fn keys() -> u64 {
+    std::env::var("STILLPOINT_BENCH_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000_000)
+}
+
+fn cached(dir: &Path, budget: usize) -> CachedState {
+    let groups = KeyGroups::new(128).unwrap();
+    let config = StateConfig {
+        cache_budget_bytes: budget,
+        ..StateConfig::default()
+    };
+    CachedState::new(RocksStateBackend::open(dir, config, groups, groups.all(), OWNER).unwrap())
+}
+
+struct Raw {
+    db: DB,
+    write: WriteOptions,
+}
+
+fn raw(dir: &Path) -> Raw {
+    let mut options = Options::default();
+    options.create_if_missing(true);
+    options.set_compression_type(rocksdb::DBCompressionType::Lz4);
+    let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_block_cache(&rocksdb::Cache::new_lru_cache(256 << 20));
+    table.set_bloom_filter(10.0, false);
+    options.set_block_based_table_factory(&table);
+    let mut write = WriteOptions::default();
+    write.disable_wal(true);
+    Raw {
+        db: DB::open(&options, dir).unwrap(),
+        write,
+    }
+}
+
+/// xorshift: the key sequence, identical for both sides.
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+fn rmw_cached(state: &mut CachedState, key: u64) {
+    let k = key.to_le_bytes();
+    let count = state
+        .get_cached("counts", &k, b"")
+        .unwrap()
+        .map_or(0, |v| u64::from_le_bytes(v[..8].try_into().unwrap()));
+    state
+        .put("counts", &k, b"", &(count + 1).to_le_bytes())
+        .unwrap();
+}
+
+fn rmw_raw(raw: &Raw, key: u64) {
+    let k = key.to_le_bytes();
+    let count = raw
+        .db
+        .get(k)
+        .unwrap()
+        .map_or(0, |v| u64::from_le_bytes(v[..8].try_into().unwrap()));
+    raw.db
+        .put_opt(k, (count + 1).to_le_bytes(), &raw.write)
+        .unwrap();
+}
+
+fn rate(ops: u64, mut f: impl FnMut(u64)) -> f64 {
+    let start = Instant::now();
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    for _ in 0..ops {
+        f(next(&mut x));
+    }
+    ops as f64 / start.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn criterion_benches(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut state = cached(&dir.path().join("cached"), 256 << 20);
+    let raw_db = raw(&dir.path().join("raw"));
+    let mut group = c.benchmark_group("state");
+    group.throughput(Throughput::Elements(1));
+    let mut x = 1_u64;
+    group.bench_function("rmw_hot_1000_cached", |b| {
+        b.iter(|| rmw_cached(&mut state, black_box(next(&mut x) % 1000)))
+    });
+    group.bench_function("rmw_hot_1000_raw_rocksdb", |b| {
+        b.iter(|| rmw_raw(&raw_db, black_box(next(&mut x) % 1000)))
+    });
+    group.bench_function("barrier_freeze", |b| {
+        let mut n = 0;
+        b.iter(|| {
+            n += 1;
+            state.put("counts", &n.to_le_bytes(), b"", b"x").unwrap();
+            let job = state.snapshot(CheckpointId(n), dir.path().join(format!("freeze-{n}")));
+            job.discard().unwrap();
+        });
+    });
+    group.finish();
+}
+
+fn load(state: &mut CachedState, raw: Option<&Raw>, n: u64) {
+    let value = [5_u8; 100];
+    for i in 0..n {
+        state.put("s", &i.to_le_bytes(), b"", &value).unwrap();
+        if let Some(raw) = raw {
+            raw.db.put_opt(i.to_le_bytes(), value, &raw.write).unwrap();
+        }
+    }
+}
+
+fn figures() {
+    let n = keys();
+    let dir = tempfile::tempdir().unwrap();
+
+    // Hot keys: interleaved rounds.
+    let mut state = cached(&dir.path().join("hot-cached"), 256 << 20);
+    let raw_db = raw(&dir.path().join("hot-raw"));
+    let mut hot = Vec::new();
+    for _ in 0..5 {
+        let c = rate(200_000, |k| rmw_cached(&mut state, k % 1000));
+        let r = rate(200_000, |k| rmw_raw(&raw_db, k % 1000));
+        hot.push(c / r);
+    }
+    println!(
+        "FIGURE state.rmw_hot_1000_cached_vs_raw = {:.2} ratio goal >= 5 (write-back cache ÷ raw RocksDB get+put, 1,000 hot keys)",
+        median(hot)
+    );
+    drop(state);
+
+    // Uniform keys over n keys, both preloaded with the same data.
+    let mut state = cached(&dir.path().join("uni-cached"), 256 << 20);
+    let raw_db = raw(&dir.path().join("uni-raw"));
+    load(&mut state, Some(&raw_db), n);
+    let mut uniform = Vec::new();
+    for _ in 0..3 {
+        let c = rate(200_000, |k| rmw_cached(&mut state, k % n));
+        let r = rate(200_000, |k| rmw_raw(&raw_db, k % n));
+        uniform.push(c / r);
+    }
+    println!(
+        "FIGURE state.rmw_uniform_cached_vs_raw = {:.2} ratio goal >= 0.9 (uniform keys over {n} keys)",
+        median(uniform)
+    );
+    drop(state);
+    drop(raw_db);
+
+    // Stall at the barrier with n keys of state, 1% changed per checkpoint.
+    let mut state = cached(&dir.path().join("stall"), 1 << 30);
+    load(&mut state, None, n);
+    state
+        .snapshot(CheckpointId(1), dir.path().join("stall-1"))
+        .run()
+        .unwrap();
+    let mut stalls = Vec::new();
+    let mut exports = Vec::new();
+    let mut x = 7_u64;
+    for round in 0..20_u64 {
+        for _ in 0..n / 100 {
+            state
+                .put("s", &(next(&mut x) % n).to_le_bytes(), b"", &[6; 100])
+                .unwrap();
+        }
+        let started = Instant::now();
+        let job = state.snapshot(
+            CheckpointId(round + 2),
+            dir.path().join(format!("stall-{}", round + 2)),
+        );
+        stalls.push(started.elapsed());
+        let handle = std::thread::spawn(move || job.run().unwrap());
+        exports.push(handle.join().unwrap());
+    }
+    stalls.sort();
+    let p99 = stalls[stalls.len() * 99 / 100 - usize::from(stalls.len() * 99 % 100 == 0)];
+    let flush = median(
+        exports
+            .iter()
+            .map(|e| (e.write + e.flush).as_secs_f64())
+            .collect(),
+    );
+    println!(
+        "FIGURE state.barrier_stall_p99 = {:.3} ms goal <= 1 (O(1) freeze with {n} keys, 1% changed; a synchronous write+flush of the same data takes {:.1} ms here)",
+        p99.as_secs_f64() * 1e3,
+        flush * 1e3
+    );
+    let manifest = median(
+        exports
+            .iter()
+            .map(|e| e.manifest_time.as_secs_f64())
+            .collect(),
+    );
+    println!(
+        "FIGURE state.second_snapshot_manifest = {:.1} ms (listing and hashing only new SSTs after 1% changed)",
+        manifest * 1e3
+    );
+    let export_small = median(
+        exports
+            .iter()
+            .map(|e| (e.write + e.flush + e.checkpoint_time).as_secs_f64())
+            .collect(),
+    );
+    drop(state);
+
+    // Export at 8× the state with the same changed data.
+    let big = dir.path().join("big");
+    let mut state = cached(&big, 1 << 30);
+    load(&mut state, None, n * 8);
+    state
+        .snapshot(CheckpointId(1), dir.path().join("big-1"))
+        .run()
+        .unwrap();
+    let mut big_exports = Vec::new();
+    for round in 0..5_u64 {
+        for _ in 0..n / 100 {
+            state
+                .put("s", &(next(&mut x) % (n * 8)).to_le_bytes(), b"", &[6; 100])
+                .unwrap();
+        }
+        let e = state
+            .snapshot(
+                CheckpointId(round + 2),
+                dir.path().join(format!("big-{}", round + 2)),
+            )
+            .run()
+            .unwrap();
+        big_exports.push((e.write + e.flush + e.checkpoint_time).as_secs_f64());
+    }
+    println!(
+        "FIGURE state.export_8x_vs_1x = {:.2} ratio goal <= 1.5 (write frozen batch + flush + checkpoint, same changed data; 1×: {:.1} ms)",
+        median(big_exports) / export_small,
+        export_small * 1e3
+    );
+    let _ = Duration::ZERO;
+}
+
+criterion_group!(benches, criterion_benches);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    if std::env::args().any(|arg| arg == "--bench") {
+        figures();
+    }
+}

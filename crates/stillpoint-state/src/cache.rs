@@ -1,0 +1,555 @@
+//! `CachedState`: the write-back cache in front of RocksDB (DESIGN §4).
+//!
+//! Writes land in a dirty map. At a barrier, [`CachedState::snapshot`] swaps the
+//! dirty map for an empty one — O(1), the task's whole stall — and returns a
+//! [`SnapshotJob`] that writes the frozen map as one batch, flushes and creates the
+//! RocksDB checkpoint wherever the caller runs it (the engine: another thread). Reads
+//! go through new-dirty → frozen (newest first) → clean cache → RocksDB, so they see
+//! the latest write at every moment, and the checkpoint of `n` is exactly the state
+//! at barrier `n`.
+//!
+//! This crate spawns no threads; it shares the database and the frozen maps with the
+//! job (`Arc`), and a spill waits on a condition variable for in-flight jobs to create
+//! their checkpoints, so no post-barrier write can leak into an earlier checkpoint.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rocksdb::{DB, FlushOptions, WriteBatch};
+use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest};
+
+use crate::rocks::{decode_key, encode_key, group_bounds, key_prefix, prefix_end, write_options};
+use crate::snapshot::{
+    DigestCache, ManifestContext, SharedDigests, build_manifest, create_checkpoint,
+};
+use crate::{KeyedState, RocksStateBackend, StateBatch, StateError};
+
+type CacheKey = (u32, Vec<u8>);
+
+/// Bytes an entry is charged for (key, value and map overhead).
+fn cost(key: &CacheKey, value: Option<&Vec<u8>>) -> usize {
+    key.1.len() + value.map_or(0, Vec::len) + 64
+}
+
+#[derive(Debug)]
+struct Frozen {
+    seq: u64,
+    entries: BTreeMap<CacheKey, Option<Vec<u8>>>,
+    bytes: usize,
+}
+
+/// How far snapshot jobs have come; shared between the cache and its jobs.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Highest job sequence whose batch is in RocksDB.
+    written: AtomicU64,
+    /// Highest job sequence whose checkpoint exists (or that finished without one).
+    checkpointed: Mutex<(u64, Option<String>)>,
+    changed: Condvar,
+}
+
+impl Progress {
+    /// Waits until every job before `seq` has its checkpoint; fails if one failed.
+    fn wait_checkpointed(&self, seq: u64) -> Result<(), StateError> {
+        let mut guard = self
+            .checkpointed
+            .lock()
+            .map_err(|_| StateError::Poisoned("progress lock".into()))?;
+        loop {
+            if let Some(reason) = &guard.1 {
+                return Err(StateError::Poisoned(reason.clone()));
+            }
+            if guard.0 >= seq {
+                return Ok(());
+            }
+            guard = self
+                .changed
+                .wait(guard)
+                .map_err(|_| StateError::Poisoned("progress lock".into()))?;
+        }
+    }
+
+    fn mark_checkpointed(&self, seq: u64) {
+        if let Ok(mut guard) = self.checkpointed.lock() {
+            guard.0 = guard.0.max(seq);
+        }
+        self.changed.notify_all();
+    }
+
+    fn mark_failed(&self, reason: String) {
+        if let Ok(mut guard) = self.checkpointed.lock() {
+            guard.1.get_or_insert(reason);
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// Keyed state with a write-back cache; see the module docs.
+#[derive(Debug)]
+pub struct CachedState {
+    backend: RocksStateBackend,
+    ids: BTreeMap<String, u32>,
+    names: Vec<String>,
+    dirty: BTreeMap<CacheKey, Option<Vec<u8>>>,
+    dirty_bytes: usize,
+    frozen: VecDeque<Arc<Frozen>>,
+    clean: HashMap<CacheKey, Option<Vec<u8>>>,
+    clean_bytes: usize,
+    budget: usize,
+    next_seq: u64,
+    progress: Arc<Progress>,
+    digests: SharedDigests,
+    spills: u64,
+}
+
+/// The result of a [`SnapshotJob`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedSnapshot {
+    /// The checkpoint.
+    pub checkpoint: CheckpointId,
+    /// The snapshot directory (a RocksDB checkpoint plus its local manifest).
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: SnapshotManifest,
+    /// Writing the frozen batch.
+    pub write: Duration,
+    /// Flushing memtables.
+    pub flush: Duration,
+    /// Creating the RocksDB checkpoint (hard links).
+    pub checkpoint_time: Duration,
+    /// Listing and hashing files (new SSTs only) into the manifest.
+    pub manifest_time: Duration,
+}
+
+/// The asynchronous part of a snapshot: run it anywhere (another thread), exactly
+/// once, in the order the cache created the jobs. A job dropped without running still
+/// writes its frozen batch (the data must reach RocksDB whatever the checkpoint's fate).
+pub struct SnapshotJob {
+    db: Arc<DB>,
+    options: rocksdb::Options,
+    frozen: Arc<Frozen>,
+    names: Vec<String>,
+    dir: PathBuf,
+    checkpoint: CheckpointId,
+    context: ManifestContext,
+    progress: Arc<Progress>,
+    digests: SharedDigests,
+    done: bool,
+}
+
+impl CachedState {
+    /// A cache over `backend`, holding at most `backend`'s configured budget.
+    #[must_use]
+    pub fn new(backend: RocksStateBackend) -> Self {
+        let budget = backend.config.cache_budget_bytes;
+        let mut cache = Self {
+            backend,
+            ids: BTreeMap::new(),
+            names: Vec::new(),
+            dirty: BTreeMap::new(),
+            dirty_bytes: 0,
+            frozen: VecDeque::new(),
+            clean: HashMap::new(),
+            clean_bytes: 0,
+            budget,
+            next_seq: 1,
+            progress: Arc::new(Progress::default()),
+            digests: Arc::new(Mutex::new(DigestCache::default())),
+            spills: 0,
+        };
+        for state in cache.backend.states() {
+            cache.id(&state);
+        }
+        cache
+    }
+
+    /// The backend underneath.
+    #[must_use]
+    pub fn backend(&self) -> &RocksStateBackend {
+        &self.backend
+    }
+
+    /// Bytes held in memory (dirty, frozen and clean entries).
+    #[must_use]
+    pub fn memory_bytes(&self) -> usize {
+        self.dirty_bytes + self.frozen.iter().map(|f| f.bytes).sum::<usize>() + self.clean_bytes
+    }
+
+    /// How many times the dirty set spilled to RocksDB between checkpoints.
+    #[must_use]
+    pub fn spills(&self) -> u64 {
+        self.spills
+    }
+
+    fn id(&mut self, state: &str) -> u32 {
+        if let Some(id) = self.ids.get(state) {
+            return *id;
+        }
+        let id = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
+        self.names.push(state.to_owned());
+        self.ids.insert(state.to_owned(), id);
+        id
+    }
+
+    fn name(&self, id: u32) -> &str {
+        self.names.get(id as usize).map_or("", String::as_str)
+    }
+
+    /// Drops frozen maps whose batch is in RocksDB (reads can go there now).
+    fn release_written(&mut self) {
+        let written = self.progress.written.load(Ordering::Acquire);
+        while self.frozen.front().is_some_and(|f| f.seq <= written) {
+            self.frozen.pop_front();
+        }
+    }
+
+    /// The overlay value of `key`: `Some(v)` if dirty or frozen knows it.
+    fn overlay(&self, key: &CacheKey) -> Option<Option<Vec<u8>>> {
+        if let Some(value) = self.dirty.get(key) {
+            return Some(value.clone());
+        }
+        self.frozen
+            .iter()
+            .rev()
+            .find_map(|f| f.entries.get(key).cloned())
+    }
+
+    fn over_budget(&self) -> bool {
+        self.memory_bytes() > self.budget
+    }
+
+    /// Evicts clean entries, then spills the dirty set if it alone is over half the
+    /// budget. A spill first waits for in-flight snapshot jobs to create their
+    /// checkpoints: the spilled writes come after their barriers.
+    fn make_room(&mut self) -> Result<(), StateError> {
+        self.release_written();
+        if !self.over_budget() {
+            return Ok(());
+        }
+        self.clean.clear();
+        self.clean_bytes = 0;
+        if self.dirty_bytes <= self.budget / 2 {
+            return Ok(());
+        }
+        let last_frozen = self.next_seq - 1;
+        self.progress.wait_checkpointed(last_frozen)?;
+        let dirty = std::mem::take(&mut self.dirty);
+        self.dirty_bytes = 0;
+        let writes: Vec<(&str, &[u8], Option<&[u8]>)> = dirty
+            .iter()
+            .map(|((id, key), value)| (self.name(*id), key.as_slice(), value.as_deref()))
+            .collect();
+        self.backend.write_stored(writes)?;
+        self.spills += 1;
+        tracing::debug!(spills = self.spills, "write-back cache spilled to RocksDB");
+        Ok(())
+    }
+
+    /// The synchronous part of a snapshot at barrier `checkpoint`: freeze the dirty set
+    /// (an O(1) swap) and return the job that exports it into `dir` (which must not
+    /// exist yet).
+    pub fn snapshot(&mut self, checkpoint: CheckpointId, dir: impl AsRef<Path>) -> SnapshotJob {
+        self.release_written();
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let frozen = Arc::new(Frozen {
+            seq,
+            entries: std::mem::take(&mut self.dirty),
+            bytes: self.dirty_bytes,
+        });
+        self.dirty_bytes = 0;
+        self.frozen.push_back(Arc::clone(&frozen));
+        SnapshotJob {
+            db: Arc::clone(&self.backend.db),
+            options: self.backend.options.clone(),
+            frozen,
+            names: self.names.clone(),
+            dir: dir.as_ref().to_path_buf(),
+            checkpoint,
+            context: ManifestContext {
+                owner: self.backend.owner,
+                key_groups: self.backend.key_groups,
+                range: self.backend.range,
+                options: self.backend.config.describe(),
+            },
+            progress: Arc::clone(&self.progress),
+            digests: Arc::clone(&self.digests),
+            done: false,
+        }
+    }
+
+    /// Waits for every snapshot job created so far to finish its checkpoint.
+    pub fn wait_for_snapshots(&self) -> Result<(), StateError> {
+        self.progress.wait_checkpointed(self.next_seq - 1)
+    }
+}
+
+impl KeyedState for CachedState {
+    fn get(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        let group = self.backend.owned_group(key)?;
+        let Some(id) = self.ids.get(state) else {
+            return Ok(None);
+        };
+        let cache_key = (*id, encode_key(group, key, field));
+        if let Some(value) = self.overlay(&cache_key) {
+            return Ok(value);
+        }
+        if let Some(value) = self.clean.get(&cache_key) {
+            return Ok(value.clone());
+        }
+        self.backend.get_stored(state, &cache_key.1)
+    }
+
+    fn write(&mut self, batch: StateBatch) -> Result<(), StateError> {
+        // Check every key before changing anything: the batch is all or nothing.
+        let mut encoded = Vec::with_capacity(batch.writes.len());
+        for w in &batch.writes {
+            encoded.push(encode_key(
+                self.backend.owned_group(&w.key)?,
+                &w.key,
+                &w.field,
+            ));
+        }
+        for (w, stored) in batch.writes.into_iter().zip(encoded) {
+            let key = (self.id(&w.state), stored);
+            if let Some(old) = self.clean.remove(&key) {
+                self.clean_bytes -= cost(&key, old.as_ref());
+            }
+            let added = cost(&key, w.value.as_ref());
+            if let Some(old) = self.dirty.insert(key.clone(), w.value) {
+                self.dirty_bytes -= cost(&key, old.as_ref());
+            }
+            self.dirty_bytes += added;
+        }
+        self.make_room()
+    }
+
+    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
+        let group = self.backend.owned_group(key)?;
+        let lower = key_prefix(group, key);
+        let upper = prefix_end(&lower);
+        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+        self.backend
+            .scan_stored(state, &lower, &upper, &mut |stored, value| {
+                merged.insert(stored.to_vec(), Some(value.to_vec()));
+                true
+            })?;
+        if let Some(id) = self.ids.get(state) {
+            let range = (*id, lower.clone())..(*id, upper);
+            for layer in self
+                .frozen
+                .iter()
+                .map(|f| &f.entries)
+                .chain(std::iter::once(&self.dirty))
+            {
+                for ((_, stored), value) in layer.range(range.clone()) {
+                    merged.insert(stored.clone(), value.clone());
+                }
+            }
+        }
+        Ok(merged
+            .into_iter()
+            .filter_map(|(stored, value)| Some((stored.get(lower.len()..)?.to_vec(), value?)))
+            .collect())
+    }
+
+    fn scan(
+        &self,
+        state: &str,
+        groups: KeyGroupRange,
+        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+    ) -> Result<(), StateError> {
+        let (lower, upper) = group_bounds(groups);
+        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+        self.backend
+            .scan_stored(state, &lower, &upper, &mut |stored, value| {
+                merged.insert(stored.to_vec(), Some(value.to_vec()));
+                true
+            })?;
+        if let Some(id) = self.ids.get(state) {
+            let range = (*id, lower)..(*id, upper);
+            for layer in self
+                .frozen
+                .iter()
+                .map(|f| &f.entries)
+                .chain(std::iter::once(&self.dirty))
+            {
+                for ((_, stored), value) in layer.range(range.clone()) {
+                    merged.insert(stored.clone(), value.clone());
+                }
+            }
+        }
+        for (stored, value) in merged {
+            if let (Some((_, key, field)), Some(value)) = (decode_key(&stored), value) {
+                if !visit(key, field, &value) {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CachedState {
+    /// [`KeyedState::get`], remembering the value read from RocksDB in the clean cache
+    /// so the next read of a hot key is served from memory.
+    pub fn get_cached(
+        &mut self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+    ) -> Result<Option<Vec<u8>>, StateError> {
+        let group = self.backend.owned_group(key)?;
+        let Some(id) = self.ids.get(state).copied() else {
+            return Ok(None);
+        };
+        let cache_key = (id, encode_key(group, key, field));
+        if let Some(value) = self.overlay(&cache_key) {
+            return Ok(value);
+        }
+        if let Some(value) = self.clean.get(&cache_key) {
+            return Ok(value.clone());
+        }
+        let value = self.backend.get_stored(state, &cache_key.1)?;
+        self.clean_bytes += cost(&cache_key, value.as_ref());
+        self.clean.insert(cache_key, value.clone());
+        if self.over_budget() {
+            self.make_room()?;
+        }
+        Ok(value)
+    }
+}
+
+impl std::fmt::Debug for SnapshotJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotJob")
+            .field("checkpoint", &self.checkpoint)
+            .field("dir", &self.dir)
+            .field("entries", &self.frozen.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SnapshotJob {
+    /// The checkpoint this job exports.
+    #[must_use]
+    pub fn checkpoint(&self) -> CheckpointId {
+        self.checkpoint
+    }
+
+    fn write_batch(&self) -> Result<Duration, StateError> {
+        let started = Instant::now();
+        let mut batch = WriteBatch::default();
+        for ((id, stored), value) in &self.frozen.entries {
+            let name = self.names.get(*id as usize).map_or("", String::as_str);
+            if self.db.cf_handle(name).is_none() {
+                self.db
+                    .create_cf(name, &self.options)
+                    .map_err(StateError::rocks("creating a column family"))?;
+            }
+            let cf = self.db.cf_handle(name).ok_or_else(|| StateError::Rocks {
+                context: "column family",
+                message: format!("`{name}` vanished"),
+            })?;
+            match value {
+                Some(value) => batch.put_cf(&cf, stored, value),
+                None => batch.delete_cf(&cf, stored),
+            }
+        }
+        self.db
+            .write_opt(batch, &write_options())
+            .map_err(StateError::rocks("writing the frozen batch"))?;
+        self.progress
+            .written
+            .fetch_max(self.frozen.seq, Ordering::AcqRel);
+        Ok(started.elapsed())
+    }
+
+    fn flush(&self) -> Result<Duration, StateError> {
+        let started = Instant::now();
+        let names = DB::list_cf(&self.options, self.db.path())
+            .map_err(StateError::rocks("listing column families"))?;
+        let handles: Vec<_> = names.iter().filter_map(|n| self.db.cf_handle(n)).collect();
+        let refs: Vec<_> = handles.iter().collect();
+        let mut options = FlushOptions::default();
+        options.set_wait(true);
+        self.db
+            .flush_cfs_opt(&refs, &options)
+            .map_err(StateError::rocks("flushing"))?;
+        Ok(started.elapsed())
+    }
+
+    /// Waits for the previous job's checkpoint, writes the frozen batch, flushes,
+    /// creates the RocksDB checkpoint in the job's directory and builds its manifest.
+    pub fn run(mut self) -> Result<ExportedSnapshot, StateError> {
+        self.done = true;
+        let seq = self.frozen.seq;
+        let result = self.export(seq);
+        match &result {
+            Ok(_) => {}
+            Err(e) => self
+                .progress
+                .mark_failed(format!("{}: {e}", self.checkpoint)),
+        }
+        result
+    }
+
+    fn export(&self, seq: u64) -> Result<ExportedSnapshot, StateError> {
+        self.progress.wait_checkpointed(seq - 1)?;
+        let write = self.write_batch()?;
+        let flush = self.flush()?;
+        let started = Instant::now();
+        create_checkpoint(&self.db, &self.dir)?;
+        let checkpoint_time = started.elapsed();
+        self.progress.mark_checkpointed(seq);
+        let started = Instant::now();
+        let manifest = build_manifest(&self.dir, self.checkpoint, &self.context, &self.digests)?;
+        Ok(ExportedSnapshot {
+            checkpoint: self.checkpoint,
+            dir: self.dir.clone(),
+            manifest,
+            write,
+            flush,
+            checkpoint_time,
+            manifest_time: started.elapsed(),
+        })
+    }
+
+    /// Writes the frozen batch without creating a checkpoint (the checkpoint was
+    /// aborted before its export started). The data still reaches RocksDB.
+    pub fn discard(mut self) -> Result<(), StateError> {
+        self.done = true;
+        self.write_without_checkpoint()
+    }
+
+    fn write_without_checkpoint(&self) -> Result<(), StateError> {
+        let seq = self.frozen.seq;
+        let result = self
+            .progress
+            .wait_checkpointed(seq - 1)
+            .and_then(|()| self.write_batch());
+        match result {
+            Ok(_) => {
+                self.progress.mark_checkpointed(seq);
+                Ok(())
+            }
+            Err(e) => {
+                self.progress
+                    .mark_failed(format!("{}: {e}", self.checkpoint));
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for SnapshotJob {
+    fn drop(&mut self) {
+        if !self.done {
+            // Never lose the frozen writes; an error poisons the cache, which reports it.
+            let _ = self.write_without_checkpoint();
+        }
+    }
+}

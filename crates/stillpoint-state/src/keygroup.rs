@@ -1,0 +1,147 @@
+//! Key groups: the unit of state redistribution. Every key belongs to the key group
+//! `hash(key) % max_parallelism`, fixed for the life of a stream, and each task owns
+//! a contiguous range of them, so a rescale moves whole ranges.
+
+use stillpoint_wire::KeyGroupRange;
+
+use crate::StateError;
+
+/// The largest maximum parallelism (key groups are stored as a 2-byte prefix).
+pub const MAX_KEY_GROUPS: u32 = 32_768;
+
+/// The key groups of a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KeyGroups {
+    max_parallelism: u32,
+}
+
+impl KeyGroups {
+    /// A stream with `max_parallelism` key groups (1 ..= 32 768).
+    pub fn new(max_parallelism: u32) -> Result<Self, StateError> {
+        if (1..=MAX_KEY_GROUPS).contains(&max_parallelism) {
+            Ok(Self { max_parallelism })
+        } else {
+            Err(StateError::KeyGroups {
+                range: KeyGroupRange {
+                    start: 0,
+                    end: max_parallelism,
+                },
+                max_parallelism: MAX_KEY_GROUPS,
+            })
+        }
+    }
+
+    /// The number of key groups.
+    #[must_use]
+    pub const fn max_parallelism(&self) -> u32 {
+        self.max_parallelism
+    }
+
+    /// All key groups.
+    #[must_use]
+    pub const fn all(&self) -> KeyGroupRange {
+        KeyGroupRange {
+            start: 0,
+            end: self.max_parallelism,
+        }
+    }
+
+    /// The key group of `key`. Stable across versions and platforms: changing it
+    /// would scatter restored state, so it is FNV-1a followed by a 64-bit finalizer.
+    #[must_use]
+    pub fn of(&self, key: &[u8]) -> u32 {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in key {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        hash ^= hash >> 33;
+        hash = hash.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        hash ^= hash >> 33;
+        u32::try_from(hash % u64::from(self.max_parallelism)).unwrap_or(0)
+    }
+
+    /// The contiguous range task `index` of `parallelism` owns (as Flink splits them:
+    /// sizes differ by at most one).
+    pub fn range_of(&self, parallelism: u32, index: u32) -> Result<KeyGroupRange, StateError> {
+        if parallelism == 0 || parallelism > self.max_parallelism || index >= parallelism {
+            return Err(StateError::KeyGroups {
+                range: KeyGroupRange {
+                    start: index,
+                    end: parallelism,
+                },
+                max_parallelism: self.max_parallelism,
+            });
+        }
+        let (max, par, i) = (
+            u64::from(self.max_parallelism),
+            u64::from(parallelism),
+            u64::from(index),
+        );
+        let start = (i * max).div_ceil(par);
+        let end = ((i + 1) * max).div_ceil(par);
+        Ok(KeyGroupRange {
+            start: u32::try_from(start).unwrap_or(u32::MAX),
+            end: u32::try_from(end).unwrap_or(u32::MAX),
+        })
+    }
+
+    pub(crate) fn check(&self, range: KeyGroupRange) -> Result<(), StateError> {
+        if range.start <= range.end && range.end <= self.max_parallelism {
+            Ok(())
+        } else {
+            Err(StateError::KeyGroups {
+                range,
+                max_parallelism: self.max_parallelism,
+            })
+        }
+    }
+}
+
+/// The 2-byte big-endian prefix of key group `group`; keys sort by key group.
+pub(crate) fn prefix(group: u32) -> [u8; 2] {
+    u16::try_from(group).unwrap_or(u16::MAX).to_be_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_tile_the_key_groups_for_every_parallelism() {
+        let groups = KeyGroups::new(128).unwrap();
+        for parallelism in 1..=128 {
+            let mut next = 0;
+            for index in 0..parallelism {
+                let range = groups.range_of(parallelism, index).unwrap();
+                assert_eq!(range.start, next, "parallelism {parallelism} index {index}");
+                assert!(range.len() >= 128 / parallelism && range.len() <= 128 / parallelism + 1);
+                next = range.end;
+            }
+            assert_eq!(next, 128);
+        }
+        assert!(groups.range_of(0, 0).is_err());
+        assert!(groups.range_of(3, 3).is_err());
+        assert!(KeyGroups::new(0).is_err());
+        assert!(KeyGroups::new(MAX_KEY_GROUPS + 1).is_err());
+    }
+
+    #[test]
+    fn key_groups_are_stable_and_spread() {
+        let groups = KeyGroups::new(128).unwrap();
+        // Pinned values: changing the hash breaks every stored checkpoint.
+        assert_eq!(groups.of(b"hello"), groups.of(b"hello"));
+        let pinned: Vec<u32> = [&b""[..], b"a", b"hello", b"key-42"]
+            .iter()
+            .map(|k| groups.of(k))
+            .collect();
+        assert_eq!(pinned, PINNED.to_vec());
+        let mut counts = [0_u32; 128];
+        for i in 0..128_000_u32 {
+            counts[groups.of(&i.to_le_bytes()) as usize] += 1;
+        }
+        assert!(counts.iter().all(|c| (800..1200).contains(c)), "{counts:?}");
+    }
+
+    const PINNED: [u32; 4] = [82, 77, 76, 24];
+}

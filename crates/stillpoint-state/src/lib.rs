@@ -1,0 +1,59 @@
+//! RocksDB keyed state for stillpoint tasks: key groups, a write-back cache whose
+//! barrier stall is an O(1) swap, incremental snapshot export as RocksDB checkpoints
+//! with a [`stillpoint_wire::SnapshotManifest`], verified restore, and rescale.
+//!
+//! ```
+//! use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, StateConfig, StateOwner, ValueState};
+//! use stillpoint_wire::{CheckpointId, StreamId, TaskId};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let groups = KeyGroups::new(128)?;
+//! let owner = StateOwner { stream: StreamId(1), task: TaskId(1) };
+//! let backend = RocksStateBackend::open(dir.path().join("db"), StateConfig::default(), groups, groups.all(), owner)?;
+//! let mut state = CachedState::new(backend);
+//! let counts: ValueState<String, u64> = ValueState::new("counts");
+//!
+//! counts.put(&mut state, &"word".to_owned(), &1)?;
+//! // The barrier: freeze in O(1); the task goes on while the job exports.
+//! let job = state.snapshot(CheckpointId(1), dir.path().join("ckpt-1"));
+//! counts.put(&mut state, &"word".to_owned(), &2)?;
+//! let exported = job.run()?; // on another thread in the engine
+//! assert_eq!(counts.get(&state, &"word".to_owned())?, Some(2));
+//! assert!(exported.manifest.files.iter().any(|f| f.path.as_str().ends_with(".sst")));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The storage trait, [`KeyedState`], has no RocksDB types; [`RocksStateBackend`] is
+//! RocksDB, [`CachedState`] the write-back cache over it. The write-ahead log is off:
+//! checkpoints are the durability boundary (see [`StateConfig`]).
+
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+mod cache;
+mod config;
+mod error;
+mod keygroup;
+mod rocks;
+mod snapshot;
+mod typed;
+
+pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
+pub use config::{Compression, StateConfig};
+pub use error::StateError;
+pub use keygroup::{KeyGroups, MAX_KEY_GROUPS};
+pub use rocks::{KeyedState, RocksStateBackend, StateBatch, StateOwner, StateWrite};
+pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
+pub use typed::{MapState, ValueState};
+
+/// The crate README's example, compiled and run as a doctest so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctest;

@@ -1,0 +1,394 @@
+//! `KeyedState`, the storage trait (no RocksDB types), and `RocksStateBackend`, its
+//! RocksDB implementation: one database per task, one column family per operator
+//! state, every key prefixed with its key group.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rocksdb::{DB, Direction, IteratorMode, ReadOptions, WriteBatch, WriteOptions};
+use stillpoint_wire::{KeyGroupRange, StreamId, TaskId};
+
+use crate::keygroup::prefix;
+use crate::{KeyGroups, StateConfig, StateError};
+
+/// One change of a [`StateBatch`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateWrite {
+    /// The operator state (column family).
+    pub state: String,
+    /// The key (its key group decides which task owns it).
+    pub key: Vec<u8>,
+    /// The field within the key (empty for plain values).
+    pub field: Vec<u8>,
+    /// The new value, or `None` to delete.
+    pub value: Option<Vec<u8>>,
+}
+
+/// Changes applied atomically: all or none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateBatch {
+    /// The changes, applied in order.
+    pub writes: Vec<StateWrite>,
+}
+
+impl StateBatch {
+    /// Sets `field` of `key`.
+    pub fn put(&mut self, state: &str, key: &[u8], field: &[u8], value: &[u8]) -> &mut Self {
+        self.writes.push(StateWrite {
+            state: state.into(),
+            key: key.into(),
+            field: field.into(),
+            value: Some(value.into()),
+        });
+        self
+    }
+
+    /// Deletes `field` of `key`.
+    pub fn delete(&mut self, state: &str, key: &[u8], field: &[u8]) -> &mut Self {
+        self.writes.push(StateWrite {
+            state: state.into(),
+            key: key.into(),
+            field: field.into(),
+            value: None,
+        });
+        self
+    }
+}
+
+/// Keyed operator state, free of any storage engine's types.
+///
+/// A value is addressed by `(state, key, field)`: `state` names the operator state,
+/// `key` is the partitioning key (its key group decides which task owns it), and
+/// `field` addresses an entry within the key (map state); plain values use an empty
+/// field. [`KeyedState::fields`] is the prefix scan over one key's fields;
+/// [`KeyedState::scan`] walks whole key groups.
+pub trait KeyedState {
+    /// The value, if set.
+    fn get(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Option<Vec<u8>>, StateError>;
+
+    /// Applies `batch` atomically.
+    fn write(&mut self, batch: StateBatch) -> Result<(), StateError>;
+
+    /// Every `(field, value)` of `key`, in field order.
+    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError>;
+
+    /// Visits every `(key, field, value)` of `state` in key groups `groups`, in key
+    /// group then key order, until `visit` returns false.
+    fn scan(
+        &self,
+        state: &str,
+        groups: KeyGroupRange,
+        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+    ) -> Result<(), StateError>;
+
+    /// Sets one value.
+    fn put(
+        &mut self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+        value: &[u8],
+    ) -> Result<(), StateError> {
+        let mut batch = StateBatch::default();
+        batch.put(state, key, field, value);
+        self.write(batch)
+    }
+
+    /// Deletes one value.
+    fn delete(&mut self, state: &str, key: &[u8], field: &[u8]) -> Result<(), StateError> {
+        let mut batch = StateBatch::default();
+        batch.delete(state, key, field);
+        self.write(batch)
+    }
+}
+
+/// Stored key: key group (2 bytes, big-endian) · key length (4 bytes, big-endian) ·
+/// key · field. The length keeps `fields` of key `a` from seeing key `ab`.
+pub(crate) fn encode_key(group: u32, key: &[u8], field: &[u8]) -> Vec<u8> {
+    let mut out = key_prefix(group, key);
+    out.extend_from_slice(field);
+    out
+}
+
+pub(crate) fn key_prefix(group: u32, key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(6 + key.len());
+    out.extend_from_slice(&prefix(group));
+    out.extend_from_slice(&u32::try_from(key.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(key);
+    out
+}
+
+/// `(group, key, field)` of a stored key, or `None` if it is not one of ours.
+pub(crate) fn decode_key(stored: &[u8]) -> Option<(u32, &[u8], &[u8])> {
+    let (group, rest) = stored.split_first_chunk::<2>()?;
+    let (len, rest) = rest.split_first_chunk::<4>()?;
+    let len = usize::try_from(u32::from_be_bytes(*len)).ok()?;
+    let (key, field) = rest.split_at_checked(len)?;
+    Some((u32::from(u16::from_be_bytes(*group)), key, field))
+}
+
+/// The stored-key bounds of key groups `groups`.
+pub(crate) fn group_bounds(groups: KeyGroupRange) -> (Vec<u8>, Vec<u8>) {
+    (prefix(groups.start).to_vec(), prefix(groups.end).to_vec())
+}
+
+/// Who owns a database: written into its snapshot manifests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateOwner {
+    /// The stream.
+    pub stream: StreamId,
+    /// The task.
+    pub task: TaskId,
+}
+
+/// The RocksDB state of one task.
+pub struct RocksStateBackend {
+    pub(crate) db: Arc<DB>,
+    pub(crate) path: PathBuf,
+    pub(crate) config: StateConfig,
+    pub(crate) key_groups: KeyGroups,
+    pub(crate) range: KeyGroupRange,
+    pub(crate) owner: StateOwner,
+    pub(crate) write_options: WriteOptions,
+    /// Built once: every column family shares its block cache.
+    pub(crate) options: rocksdb::Options,
+}
+
+impl std::fmt::Debug for RocksStateBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksStateBackend")
+            .field("path", &self.path)
+            .field("owner", &self.owner)
+            .field("range", &self.range)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn write_options() -> WriteOptions {
+    let mut options = WriteOptions::default();
+    options.disable_wal(true);
+    options
+}
+
+impl RocksStateBackend {
+    /// Opens (or creates) the database at `path` for `owner`, owning key groups
+    /// `range` of `key_groups`.
+    pub fn open(
+        path: impl AsRef<Path>,
+        config: StateConfig,
+        key_groups: KeyGroups,
+        range: KeyGroupRange,
+        owner: StateOwner,
+    ) -> Result<Self, StateError> {
+        key_groups.check(range)?;
+        let path = path.as_ref().to_path_buf();
+        let options = config.rocks_options();
+        let families = if path.join("CURRENT").is_file() {
+            DB::list_cf(&options, &path).map_err(StateError::rocks("listing column families"))?
+        } else {
+            vec!["default".to_owned()]
+        };
+        let db = DB::open_cf(&options, &path, families)
+            .map_err(StateError::rocks("opening the database"))?;
+        Ok(Self {
+            db: Arc::new(db),
+            path,
+            config,
+            key_groups,
+            range,
+            owner,
+            write_options: write_options(),
+            options,
+        })
+    }
+
+    /// The database directory.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The key groups this task owns.
+    #[must_use]
+    pub fn key_group_range(&self) -> KeyGroupRange {
+        self.range
+    }
+
+    /// The stream's key groups.
+    #[must_use]
+    pub fn key_groups(&self) -> KeyGroups {
+        self.key_groups
+    }
+
+    /// The operator states (column families) that exist.
+    #[must_use]
+    pub fn states(&self) -> Vec<String> {
+        DB::list_cf(&self.options, &self.path)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|name| name != "default")
+            .collect()
+    }
+
+    pub(crate) fn ensure_state(&self, state: &str) -> Result<(), StateError> {
+        if self.db.cf_handle(state).is_none() {
+            self.db
+                .create_cf(state, &self.options)
+                .map_err(StateError::rocks("creating a column family"))?;
+        }
+        Ok(())
+    }
+
+    /// The key group of `key`, checked against the range this task owns.
+    pub(crate) fn owned_group(&self, key: &[u8]) -> Result<u32, StateError> {
+        let group = self.key_groups.of(key);
+        if self.range.contains(group) {
+            Ok(group)
+        } else {
+            Err(StateError::ForeignKeyGroup {
+                group,
+                range: self.range,
+            })
+        }
+    }
+
+    pub(crate) fn get_stored(
+        &self,
+        state: &str,
+        stored: &[u8],
+    ) -> Result<Option<Vec<u8>>, StateError> {
+        let Some(cf) = self.db.cf_handle(state) else {
+            return Ok(None);
+        };
+        self.db
+            .get_cf(&cf, stored)
+            .map_err(StateError::rocks("get"))
+    }
+
+    /// Writes already-encoded `(state, stored key, value)` changes in one batch.
+    pub(crate) fn write_stored<'a>(
+        &self,
+        writes: impl IntoIterator<Item = (&'a str, &'a [u8], Option<&'a [u8]>)>,
+    ) -> Result<(), StateError> {
+        let mut batch = WriteBatch::default();
+        for (state, stored, value) in writes {
+            self.ensure_state(state)?;
+            let cf = self.db.cf_handle(state).ok_or_else(|| StateError::Rocks {
+                context: "column family",
+                message: format!("`{state}` vanished"),
+            })?;
+            match value {
+                Some(value) => batch.put_cf(&cf, stored, value),
+                None => batch.delete_cf(&cf, stored),
+            }
+        }
+        self.db
+            .write_opt(batch, &self.write_options)
+            .map_err(StateError::rocks("write batch"))
+    }
+
+    /// Visits stored `(key, value)` pairs of `state` with `lower <= key < upper`.
+    pub(crate) fn scan_stored(
+        &self,
+        state: &str,
+        lower: &[u8],
+        upper: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<(), StateError> {
+        let Some(cf) = self.db.cf_handle(state) else {
+            return Ok(());
+        };
+        let mut options = ReadOptions::default();
+        options.set_iterate_lower_bound(lower.to_vec());
+        options.set_iterate_upper_bound(upper.to_vec());
+        for item in
+            self.db
+                .iterator_cf_opt(&cf, options, IteratorMode::From(lower, Direction::Forward))
+        {
+            let (key, value) = item.map_err(StateError::rocks("scan"))?;
+            if !visit(&key, &value) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The exclusive upper bound of every key starting with `prefix`.
+pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < u8::MAX {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![u8::MAX; prefix.len() + 1]
+}
+
+impl KeyedState for RocksStateBackend {
+    fn get(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        let group = self.owned_group(key)?;
+        self.get_stored(state, &encode_key(group, key, field))
+    }
+
+    fn write(&mut self, batch: StateBatch) -> Result<(), StateError> {
+        let encoded = batch
+            .writes
+            .iter()
+            .map(|w| {
+                Ok((
+                    w.state.as_str(),
+                    encode_key(self.owned_group(&w.key)?, &w.key, &w.field),
+                    w.value.as_deref(),
+                ))
+            })
+            .collect::<Result<Vec<_>, StateError>>()?;
+        self.write_stored(encoded.iter().map(|(s, k, v)| (*s, k.as_slice(), *v)))
+    }
+
+    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
+        let lower = key_prefix(self.owned_group(key)?, key);
+        let upper = prefix_end(&lower);
+        let mut out = Vec::new();
+        self.scan_stored(state, &lower, &upper, &mut |stored, value| {
+            if let Some(field) = stored.get(lower.len()..) {
+                out.push((field.to_vec(), value.to_vec()));
+            }
+            true
+        })?;
+        Ok(out)
+    }
+
+    fn scan(
+        &self,
+        state: &str,
+        groups: KeyGroupRange,
+        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+    ) -> Result<(), StateError> {
+        let (lower, upper) = group_bounds(groups);
+        self.scan_stored(
+            state,
+            &lower,
+            &upper,
+            &mut |stored, value| match decode_key(stored) {
+                Some((_, key, field)) => visit(key, field, value),
+                None => true,
+            },
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_keys_round_trip_and_sort_by_group() {
+        let stored = encode_key(7, b"user", b"field");
+        assert_eq!(decode_key(&stored), Some((7, &b"user"[..], &b"field"[..])));
+        assert!(encode_key(1, b"zzz", b"") < encode_key(2, b"a", b""));
+        assert_eq!(decode_key(b"\x00"), None);
+        assert_eq!(prefix_end(&[1, 2, 0xff]), vec![1, 3]);
+    }
+}
