@@ -128,7 +128,7 @@ fn criterion_benches(c: &mut Criterion) {
         b.iter(|| rmw_raw(&raw_db, black_box(next(&mut x) % 1000)))
     });
     group.bench_function("barrier_freeze", |b| {
-        let mut n = 0;
+        let mut n = 0_u64;
         b.iter(|| {
             n += 1;
             state.put("counts", &n.to_le_bytes(), b"", b"x").unwrap();

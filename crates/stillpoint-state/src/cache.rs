@@ -18,10 +18,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use rocksdb::{DB, FlushOptions, WriteBatch};
+use rocksdb::{DB, FlushOptions};
 use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest};
 
-use crate::rocks::{decode_key, encode_key, group_bounds, key_prefix, prefix_end, write_options};
+use crate::rocks::{
+    FieldValues, ScanVisitor, StoredWrite, decode_key, encode_key, group_bounds, key_prefix,
+    prefix_end, write_stored,
+};
 use crate::snapshot::{
     DigestCache, ManifestContext, SharedDigests, build_manifest, create_checkpoint,
 };
@@ -238,7 +241,7 @@ impl CachedState {
         self.progress.wait_checkpointed(last_frozen)?;
         let dirty = std::mem::take(&mut self.dirty);
         self.dirty_bytes = 0;
-        let writes: Vec<(&str, &[u8], Option<&[u8]>)> = dirty
+        let writes: Vec<StoredWrite<'_>> = dirty
             .iter()
             .map(|((id, key), value)| (self.name(*id), key.as_slice(), value.as_deref()))
             .collect();
@@ -281,6 +284,36 @@ impl CachedState {
         }
     }
 
+    /// Stored keys of `state` in `lower..upper` with their current values: RocksDB,
+    /// overlaid by the frozen maps (oldest first) and the dirty map; `None` = deleted.
+    fn merged(
+        &self,
+        state: &str,
+        lower: &[u8],
+        upper: &[u8],
+    ) -> Result<BTreeMap<Vec<u8>, Option<Vec<u8>>>, StateError> {
+        let mut merged = BTreeMap::new();
+        self.backend
+            .scan_stored(state, lower, upper, &mut |stored, value| {
+                merged.insert(stored.to_vec(), Some(value.to_vec()));
+                true
+            })?;
+        if let Some(id) = self.ids.get(state) {
+            let range = (*id, lower.to_vec())..(*id, upper.to_vec());
+            for layer in self
+                .frozen
+                .iter()
+                .map(|f| &f.entries)
+                .chain(std::iter::once(&self.dirty))
+            {
+                for ((_, stored), value) in layer.range(range.clone()) {
+                    merged.insert(stored.clone(), value.clone());
+                }
+            }
+        }
+        Ok(merged)
+    }
+
     /// Waits for every snapshot job created so far to finish its checkpoint.
     pub fn wait_for_snapshots(&self) -> Result<(), StateError> {
         self.progress.wait_checkpointed(self.next_seq - 1)
@@ -289,18 +322,10 @@ impl CachedState {
 
 impl KeyedState for CachedState {
     fn get(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
-        let group = self.backend.owned_group(key)?;
-        let Some(id) = self.ids.get(state) else {
-            return Ok(None);
-        };
-        let cache_key = (*id, encode_key(group, key, field));
-        if let Some(value) = self.overlay(&cache_key) {
-            return Ok(value);
+        match self.lookup(state, key, field)? {
+            Lookup::Known(value) => Ok(value),
+            Lookup::Miss(cache_key) => self.backend.get_stored(state, &cache_key.1),
         }
-        if let Some(value) = self.clean.get(&cache_key) {
-            return Ok(value.clone());
-        }
-        self.backend.get_stored(state, &cache_key.1)
     }
 
     fn write(&mut self, batch: StateBatch) -> Result<(), StateError> {
@@ -327,30 +352,11 @@ impl KeyedState for CachedState {
         self.make_room()
     }
 
-    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
-        let group = self.backend.owned_group(key)?;
-        let lower = key_prefix(group, key);
+    fn fields(&self, state: &str, key: &[u8]) -> Result<FieldValues, StateError> {
+        let lower = key_prefix(self.backend.owned_group(key)?, key);
         let upper = prefix_end(&lower);
-        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
-        self.backend
-            .scan_stored(state, &lower, &upper, &mut |stored, value| {
-                merged.insert(stored.to_vec(), Some(value.to_vec()));
-                true
-            })?;
-        if let Some(id) = self.ids.get(state) {
-            let range = (*id, lower.clone())..(*id, upper);
-            for layer in self
-                .frozen
-                .iter()
-                .map(|f| &f.entries)
-                .chain(std::iter::once(&self.dirty))
-            {
-                for ((_, stored), value) in layer.range(range.clone()) {
-                    merged.insert(stored.clone(), value.clone());
-                }
-            }
-        }
-        Ok(merged
+        Ok(self
+            .merged(state, &lower, &upper)?
             .into_iter()
             .filter_map(|(stored, value)| Some((stored.get(lower.len()..)?.to_vec(), value?)))
             .collect())
@@ -360,29 +366,10 @@ impl KeyedState for CachedState {
         &self,
         state: &str,
         groups: KeyGroupRange,
-        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+        visit: &mut ScanVisitor<'_>,
     ) -> Result<(), StateError> {
         let (lower, upper) = group_bounds(groups);
-        let mut merged: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
-        self.backend
-            .scan_stored(state, &lower, &upper, &mut |stored, value| {
-                merged.insert(stored.to_vec(), Some(value.to_vec()));
-                true
-            })?;
-        if let Some(id) = self.ids.get(state) {
-            let range = (*id, lower)..(*id, upper);
-            for layer in self
-                .frozen
-                .iter()
-                .map(|f| &f.entries)
-                .chain(std::iter::once(&self.dirty))
-            {
-                for ((_, stored), value) in layer.range(range.clone()) {
-                    merged.insert(stored.clone(), value.clone());
-                }
-            }
-        }
-        for (stored, value) in merged {
+        for (stored, value) in self.merged(state, &lower, &upper)? {
             if let (Some((_, key, field)), Some(value)) = (decode_key(&stored), value) {
                 if !visit(key, field, &value) {
                     break;
@@ -402,17 +389,10 @@ impl CachedState {
         key: &[u8],
         field: &[u8],
     ) -> Result<Option<Vec<u8>>, StateError> {
-        let group = self.backend.owned_group(key)?;
-        let Some(id) = self.ids.get(state).copied() else {
-            return Ok(None);
+        let cache_key = match self.lookup(state, key, field)? {
+            Lookup::Known(value) => return Ok(value),
+            Lookup::Miss(cache_key) => cache_key,
         };
-        let cache_key = (id, encode_key(group, key, field));
-        if let Some(value) = self.overlay(&cache_key) {
-            return Ok(value);
-        }
-        if let Some(value) = self.clean.get(&cache_key) {
-            return Ok(value.clone());
-        }
         let value = self.backend.get_stored(state, &cache_key.1)?;
         self.clean_bytes += cost(&cache_key, value.as_ref());
         self.clean.insert(cache_key, value.clone());
@@ -421,6 +401,27 @@ impl CachedState {
         }
         Ok(value)
     }
+
+    /// A read served from memory, or the key to read from RocksDB.
+    fn lookup(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Lookup, StateError> {
+        let group = self.backend.owned_group(key)?;
+        let Some(id) = self.ids.get(state) else {
+            return Ok(Lookup::Known(None)); // a state never written has no values
+        };
+        let cache_key = (*id, encode_key(group, key, field));
+        if let Some(value) = self.overlay(&cache_key) {
+            return Ok(Lookup::Known(value));
+        }
+        match self.clean.get(&cache_key) {
+            Some(value) => Ok(Lookup::Known(value.clone())),
+            None => Ok(Lookup::Miss(cache_key)),
+        }
+    }
+}
+
+enum Lookup {
+    Known(Option<Vec<u8>>),
+    Miss(CacheKey),
 }
 
 impl std::fmt::Debug for SnapshotJob {
@@ -442,26 +443,14 @@ impl SnapshotJob {
 
     fn write_batch(&self) -> Result<Duration, StateError> {
         let started = Instant::now();
-        let mut batch = WriteBatch::default();
-        for ((id, stored), value) in &self.frozen.entries {
-            let name = self.names.get(*id as usize).map_or("", String::as_str);
-            if self.db.cf_handle(name).is_none() {
-                self.db
-                    .create_cf(name, &self.options)
-                    .map_err(StateError::rocks("creating a column family"))?;
-            }
-            let cf = self.db.cf_handle(name).ok_or_else(|| StateError::Rocks {
-                context: "column family",
-                message: format!("`{name}` vanished"),
-            })?;
-            match value {
-                Some(value) => batch.put_cf(&cf, stored, value),
-                None => batch.delete_cf(&cf, stored),
-            }
-        }
-        self.db
-            .write_opt(batch, &write_options())
-            .map_err(StateError::rocks("writing the frozen batch"))?;
+        let writes = self.frozen.entries.iter().map(|((id, stored), value)| {
+            (
+                self.names.get(*id as usize).map_or("", String::as_str),
+                stored.as_slice(),
+                value.as_deref(),
+            )
+        });
+        write_stored(&self.db, &self.options, writes)?;
         self.progress
             .written
             .fetch_max(self.frozen.seq, Ordering::AcqRel);

@@ -49,7 +49,9 @@ pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
 pub use config::{Compression, StateConfig};
 pub use error::StateError;
 pub use keygroup::{KeyGroups, MAX_KEY_GROUPS};
-pub use rocks::{KeyedState, RocksStateBackend, StateBatch, StateOwner, StateWrite};
+pub use rocks::{
+    FieldValues, KeyedState, RocksStateBackend, ScanVisitor, StateBatch, StateOwner, StateWrite,
+};
 pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
 pub use typed::{MapState, ValueState};
 

@@ -55,6 +55,15 @@ impl StateBatch {
     }
 }
 
+/// The `(field, value)` pairs of one key, in field order.
+pub type FieldValues = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Called with `(key, field, value)` for each entry of a scan; returns false to stop.
+pub type ScanVisitor<'a> = dyn FnMut(&[u8], &[u8], &[u8]) -> bool + 'a;
+
+/// One encoded change: `(state, stored key, value or None to delete)`.
+pub(crate) type StoredWrite<'a> = (&'a str, &'a [u8], Option<&'a [u8]>);
+
 /// Keyed operator state, free of any storage engine's types.
 ///
 /// A value is addressed by `(state, key, field)`: `state` names the operator state,
@@ -70,7 +79,7 @@ pub trait KeyedState {
     fn write(&mut self, batch: StateBatch) -> Result<(), StateError>;
 
     /// Every `(field, value)` of `key`, in field order.
-    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError>;
+    fn fields(&self, state: &str, key: &[u8]) -> Result<FieldValues, StateError>;
 
     /// Visits every `(key, field, value)` of `state` in key groups `groups`, in key
     /// group then key order, until `visit` returns false.
@@ -78,7 +87,7 @@ pub trait KeyedState {
         &self,
         state: &str,
         groups: KeyGroupRange,
-        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+        visit: &mut ScanVisitor<'_>,
     ) -> Result<(), StateError>;
 
     /// Sets one value.
@@ -149,7 +158,6 @@ pub struct RocksStateBackend {
     pub(crate) key_groups: KeyGroups,
     pub(crate) range: KeyGroupRange,
     pub(crate) owner: StateOwner,
-    pub(crate) write_options: WriteOptions,
     /// Built once: every column family shares its block cache.
     pub(crate) options: rocksdb::Options,
 }
@@ -197,7 +205,6 @@ impl RocksStateBackend {
             key_groups,
             range,
             owner,
-            write_options: write_options(),
             options,
         })
     }
@@ -230,15 +237,6 @@ impl RocksStateBackend {
             .collect()
     }
 
-    pub(crate) fn ensure_state(&self, state: &str) -> Result<(), StateError> {
-        if self.db.cf_handle(state).is_none() {
-            self.db
-                .create_cf(state, &self.options)
-                .map_err(StateError::rocks("creating a column family"))?;
-        }
-        Ok(())
-    }
-
     /// The key group of `key`, checked against the range this task owns.
     pub(crate) fn owned_group(&self, key: &[u8]) -> Result<u32, StateError> {
         let group = self.key_groups.of(key);
@@ -268,23 +266,9 @@ impl RocksStateBackend {
     /// Writes already-encoded `(state, stored key, value)` changes in one batch.
     pub(crate) fn write_stored<'a>(
         &self,
-        writes: impl IntoIterator<Item = (&'a str, &'a [u8], Option<&'a [u8]>)>,
+        writes: impl IntoIterator<Item = StoredWrite<'a>>,
     ) -> Result<(), StateError> {
-        let mut batch = WriteBatch::default();
-        for (state, stored, value) in writes {
-            self.ensure_state(state)?;
-            let cf = self.db.cf_handle(state).ok_or_else(|| StateError::Rocks {
-                context: "column family",
-                message: format!("`{state}` vanished"),
-            })?;
-            match value {
-                Some(value) => batch.put_cf(&cf, stored, value),
-                None => batch.delete_cf(&cf, stored),
-            }
-        }
-        self.db
-            .write_opt(batch, &self.write_options)
-            .map_err(StateError::rocks("write batch"))
+        write_stored(&self.db, &self.options, writes)
     }
 
     /// Visits stored `(key, value)` pairs of `state` with `lower <= key < upper`.
@@ -312,6 +296,42 @@ impl RocksStateBackend {
         }
         Ok(())
     }
+}
+
+/// The column family of `state`, created with `options` if it does not exist yet.
+pub(crate) fn column_family<'a>(
+    db: &'a DB,
+    options: &rocksdb::Options,
+    state: &str,
+) -> Result<Arc<rocksdb::BoundColumnFamily<'a>>, StateError> {
+    if let Some(cf) = db.cf_handle(state) {
+        return Ok(cf);
+    }
+    db.create_cf(state, options)
+        .map_err(StateError::rocks("creating a column family"))?;
+    db.cf_handle(state).ok_or_else(|| StateError::Rocks {
+        context: "column family",
+        message: format!("`{state}` was created but cannot be found"),
+    })
+}
+
+/// Writes encoded `(state, stored key, value)` changes to `db` as one atomic batch,
+/// without the write-ahead log.
+pub(crate) fn write_stored<'a>(
+    db: &DB,
+    options: &rocksdb::Options,
+    writes: impl IntoIterator<Item = StoredWrite<'a>>,
+) -> Result<(), StateError> {
+    let mut batch = WriteBatch::default();
+    for (state, stored, value) in writes {
+        let cf = column_family(db, options, state)?;
+        match value {
+            Some(value) => batch.put_cf(&cf, stored, value),
+            None => batch.delete_cf(&cf, stored),
+        }
+    }
+    db.write_opt(batch, &write_options())
+        .map_err(StateError::rocks("write batch"))
 }
 
 /// The exclusive upper bound of every key starting with `prefix`.
@@ -347,7 +367,7 @@ impl KeyedState for RocksStateBackend {
         self.write_stored(encoded.iter().map(|(s, k, v)| (*s, k.as_slice(), *v)))
     }
 
-    fn fields(&self, state: &str, key: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StateError> {
+    fn fields(&self, state: &str, key: &[u8]) -> Result<FieldValues, StateError> {
         let lower = key_prefix(self.owned_group(key)?, key);
         let upper = prefix_end(&lower);
         let mut out = Vec::new();
@@ -364,7 +384,7 @@ impl KeyedState for RocksStateBackend {
         &self,
         state: &str,
         groups: KeyGroupRange,
-        visit: &mut dyn FnMut(&[u8], &[u8], &[u8]) -> bool,
+        visit: &mut ScanVisitor<'_>,
     ) -> Result<(), StateError> {
         let (lower, upper) = group_bounds(groups);
         self.scan_stored(

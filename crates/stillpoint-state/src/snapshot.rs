@@ -16,7 +16,7 @@ use stillpoint_wire::{
     SnapshotManifest,
 };
 
-use crate::rocks::{StateOwner, group_bounds};
+use crate::rocks::{StateOwner, column_family, group_bounds};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
 /// The manifest a snapshot directory carries for local recovery (not part of its file list).
@@ -384,11 +384,7 @@ impl RocksStateBackend {
             writer
                 .finish()
                 .map_err(StateError::rocks("finishing an SST"))?;
-            self.ensure_state(state)?;
-            let target_cf = self.db.cf_handle(state).ok_or_else(|| StateError::Rocks {
-                context: "column family",
-                message: format!("`{state}` vanished"),
-            })?;
+            let target_cf = column_family(&self.db, &self.options, state)?;
             let mut ingest = IngestExternalFileOptions::default();
             ingest.set_move_files(true);
             self.db

@@ -232,7 +232,10 @@ fn second_snapshot_shares_unchanged_ssts_and_lists_only_new_bytes() {
     assert_eq!(SnapshotManifest::parse(&local).unwrap(), second.manifest);
 }
 
-fn snapshot_of(dir: &Path, keys: u32) -> (PathBuf, SnapshotManifest) {
+/// A snapshot directory with its manifest.
+type Snapshot = (PathBuf, SnapshotManifest);
+
+fn snapshot_of(dir: &Path, keys: u32) -> Snapshot {
     let mut state = CachedState::new(open(&dir.join("db"), all()));
     for i in 0..keys {
         state.put("s", &i.to_le_bytes(), b"", &[1; 64]).unwrap();
@@ -342,7 +345,7 @@ fn parallel_snapshots(
     dir: &Path,
     parallelism: u32,
     keys: u32,
-) -> (Vec<(PathBuf, SnapshotManifest)>, BTreeMap<Vec<u8>, Vec<u8>>) {
+) -> (Vec<Snapshot>, BTreeMap<Vec<u8>, Vec<u8>>) {
     let groups = KeyGroups::new(128).unwrap();
     let mut model = BTreeMap::new();
     let mut snapshots = Vec::new();
