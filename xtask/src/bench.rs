@@ -95,7 +95,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("unknown bench option `{other}`");
     }
     let mut command = Command::new(cargo_bin());
-    command.args(["bench", "--workspace", "--locked", "--"]);
+    // Only the `benches/` targets: library test harnesses reject criterion options.
+    command.args(["bench", "--workspace", "--locked", "--bench", "*", "--"]);
     if quick {
         command.arg("--quick");
         // State benches: 1 M keys (~100 MiB) instead of 10 M (~1 GiB) and 8× that.

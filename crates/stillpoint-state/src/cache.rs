@@ -99,6 +99,10 @@ pub struct CachedState {
     dirty: BTreeMap<CacheKey, Option<Vec<u8>>>,
     dirty_bytes: usize,
     frozen: VecDeque<Arc<Frozen>>,
+    /// Frozen maps already in RocksDB, handed to the next job to free: dropping a
+    /// map of millions of entries takes hundreds of milliseconds, which must not
+    /// happen on the task's path.
+    retired: Vec<Arc<Frozen>>,
     clean: HashMap<CacheKey, Option<Vec<u8>>>,
     clean_bytes: usize,
     budget: usize,
@@ -140,6 +144,8 @@ pub struct SnapshotJob {
     context: ManifestContext,
     progress: Arc<Progress>,
     digests: SharedDigests,
+    /// Frozen maps to free here, off the task's path.
+    retired: Vec<Arc<Frozen>>,
     done: bool,
 }
 
@@ -155,6 +161,7 @@ impl CachedState {
             dirty: BTreeMap::new(),
             dirty_bytes: 0,
             frozen: VecDeque::new(),
+            retired: Vec::new(),
             clean: HashMap::new(),
             clean_bytes: 0,
             budget,
@@ -178,7 +185,14 @@ impl CachedState {
     /// Bytes held in memory (dirty, frozen and clean entries).
     #[must_use]
     pub fn memory_bytes(&self) -> usize {
-        self.dirty_bytes + self.frozen.iter().map(|f| f.bytes).sum::<usize>() + self.clean_bytes
+        self.dirty_bytes
+            + self
+                .frozen
+                .iter()
+                .chain(&self.retired)
+                .map(|f| f.bytes)
+                .sum::<usize>()
+            + self.clean_bytes
     }
 
     /// How many times the dirty set spilled to RocksDB between checkpoints.
@@ -205,7 +219,9 @@ impl CachedState {
     fn release_written(&mut self) {
         let written = self.progress.written.load(Ordering::Acquire);
         while self.frozen.front().is_some_and(|f| f.seq <= written) {
-            self.frozen.pop_front();
+            if let Some(frozen) = self.frozen.pop_front() {
+                self.retired.push(frozen);
+            }
         }
     }
 
@@ -280,6 +296,7 @@ impl CachedState {
             },
             progress: Arc::clone(&self.progress),
             digests: Arc::clone(&self.digests),
+            retired: std::mem::take(&mut self.retired),
             done: false,
         }
     }
