@@ -494,6 +494,8 @@ impl SnapshotJob {
         self.done = true;
         let seq = self.frozen.seq;
         let result = self.export(seq);
+        // Free the retired frozen maps here, on the exporting thread.
+        self.retired.clear();
         match &result {
             Ok(_) => {}
             Err(e) => self
@@ -528,6 +530,7 @@ impl SnapshotJob {
     /// aborted before its export started). The data still reaches RocksDB.
     pub fn discard(mut self) -> Result<(), StateError> {
         self.done = true;
+        self.retired.clear();
         self.write_without_checkpoint()
     }
 
