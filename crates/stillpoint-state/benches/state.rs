@@ -20,7 +20,7 @@
 
 use std::hint::black_box;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group};
 use rocksdb::{DB, Options, WriteOptions};
@@ -271,7 +271,6 @@ fn figures() {
         median(big_exports) / export_small,
         export_small * 1e3
     );
-    let _ = Duration::ZERO;
 }
 
 criterion_group!(benches, criterion_benches);

@@ -476,9 +476,12 @@ impl SnapshotJob {
 
     fn flush(&self) -> Result<Duration, StateError> {
         let started = Instant::now();
-        let names = DB::list_cf(&self.options, self.db.path())
-            .map_err(StateError::rocks("listing column families"))?;
-        let handles: Vec<_> = names.iter().filter_map(|n| self.db.cf_handle(n)).collect();
+        // Every column family: the cache registered all existing states at start and
+        // every one written since, so no need to re-read RocksDB's MANIFEST here.
+        let handles: Vec<_> = std::iter::once("default")
+            .chain(self.names.iter().map(String::as_str))
+            .filter_map(|n| self.db.cf_handle(n))
+            .collect();
         let refs: Vec<_> = handles.iter().collect();
         let mut options = FlushOptions::default();
         options.set_wait(true);

@@ -311,12 +311,8 @@ impl RocksStateBackend {
             }
             let source_dir = scratch.join(format!("source-{index}"));
             materialize(dir, manifest, &source_dir)?;
-            let result = backend.ingest_from(
-                &source_dir,
-                part,
-                &scratch.join(format!("sst-{index}")),
-                &config,
-            );
+            let result =
+                backend.ingest_from(&source_dir, part, &scratch.join(format!("sst-{index}")));
             let _ = std::fs::remove_dir_all(&source_dir);
             result?;
         }
@@ -348,9 +344,7 @@ impl RocksStateBackend {
         source_dir: &Path,
         part: KeyGroupRange,
         sst_dir: &Path,
-        config: &StateConfig,
     ) -> Result<(), StateError> {
-        let _ = config;
         let options = self.options.clone();
         let families = DB::list_cf(&options, source_dir)
             .map_err(StateError::rocks("listing column families"))?;

@@ -308,8 +308,7 @@ impl Ord for MessageBox {
     }
 }
 
-fn task_config(graph: &Graph, task: TaskId, node: &Node) -> TaskConfig {
-    let _ = graph;
+fn task_config(task: TaskId, node: &Node) -> TaskConfig {
     let mut config = TaskConfig::new(
         STREAM,
         task,
@@ -414,7 +413,7 @@ impl World {
                     _ => None,
                 },
             });
-            let machine = TaskMachine::new(task_config(&self.graph, task, &node), restored)
+            let machine = TaskMachine::new(task_config(task, &node), restored)
                 .unwrap_or_else(|e| unreachable!("simulator task config is valid: {e}"));
             for up in &node.upstreams {
                 self.channels.insert((*up, task), VecDeque::new());
@@ -961,11 +960,9 @@ impl World {
         self.outcome.failovers += 1;
         let restore = self.completed.last().copied();
         self.log(|| format!("FAILOVER to {restore:?}"));
-        let _ = restore;
         self.coordinator
             .handle_failover(self.now)
             .map_err(|e| self.fail(format!("failover refused: {e}")))?;
-        let restore = self.completed.last().copied();
         self.start_tasks(restore)?;
         self.drain_coordinator()
     }
