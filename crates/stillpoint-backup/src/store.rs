@@ -1,0 +1,1213 @@
+//! The checkpoint store: objects over OpenDAL, encryption, incremental upload of
+//! snapshots, the commit, listing, verification and verified download.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use opendal::layers::{LoggingLayer, RetryLayer, TimeoutLayer};
+use opendal::{ErrorKind, Operator};
+use sha2::{Digest, Sha256};
+use stillpoint_wire::{
+    CheckpointId, CheckpointManifest, RelativePath, Sha256Digest, SnapshotFile, SnapshotManifest,
+    TaskSnapshotRef,
+};
+use tokio::io::AsyncWriteExt;
+
+use crate::crypto::{Cipher, looks_sealed, sealed_len};
+use crate::faults::FaultLayer;
+use crate::layout;
+use crate::lease::Lease;
+use crate::{Progress, StoreError, StoreOptions, StoreUri, TransferEvent, TransferKind};
+
+/// One job's checkpoint store. Cheap to clone; clones share one connection pool.
+///
+/// Every method is `async` and needs a Tokio runtime. Callers on plain threads hold a
+/// runtime and `block_on` (the engine does).
+#[derive(Clone, Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    op: Operator,
+    uri: StoreUri,
+    cipher: Option<Cipher>,
+    options: StoreOptions,
+    /// Digests this handle has seen stored (uploaded or found): a file marked `shared`
+    /// whose digest is here is not even looked up again.
+    known: Mutex<HashSet<Sha256Digest>>,
+}
+
+/// An object found by a listing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Listed {
+    pub(crate) path: String,
+    pub(crate) size: u64,
+    pub(crate) modified: Option<SystemTime>,
+}
+
+/// What [`Store::upload_snapshot`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UploadedSnapshot {
+    /// The reference the global manifest lists for this task.
+    pub reference: TaskSnapshotRef,
+    /// Files written to the store.
+    pub files_uploaded: usize,
+    /// Their plaintext bytes.
+    pub bytes_uploaded: u64,
+    /// Files the store already had.
+    pub files_reused: usize,
+    /// The task's full state size (all files).
+    pub state_bytes: u64,
+}
+
+/// What [`Store::download_snapshot`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DownloadReport {
+    /// Files fetched from the store.
+    pub files_downloaded: usize,
+    /// Their bytes.
+    pub bytes_downloaded: u64,
+    /// Local files whose checksum already matched and were kept.
+    pub files_reused: usize,
+}
+
+/// A checkpoint found in the store.
+#[derive(Clone, Debug)]
+pub struct CheckpointListing {
+    /// Its id.
+    pub id: CheckpointId,
+    /// Whether it is committed.
+    pub status: ListingStatus,
+}
+
+/// The state of a listed checkpoint.
+#[derive(Clone, Debug)]
+pub enum ListingStatus {
+    /// The global manifest is there and verifies: the checkpoint is complete.
+    Committed(CheckpointManifest),
+    /// A global manifest is there but does not parse or verify.
+    Corrupt(StoreError),
+    /// Task manifests but no global manifest: in flight, or abandoned.
+    Incomplete {
+        /// Task manifests present.
+        task_manifests: usize,
+    },
+}
+
+/// How deep [`Store::verify`] looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyDepth {
+    /// Every manifest is read and verified; every file exists with the right size.
+    Presence,
+    /// As `Presence`, and every file is read and its SHA-256 compared.
+    Content,
+}
+
+/// One thing wrong with a checkpoint.
+#[derive(Clone, Debug)]
+pub struct Problem {
+    /// The object at fault.
+    pub object: String,
+    /// What it holds for the snapshot (`task-3: 000012.sst`), when it is a file.
+    pub file: Option<String>,
+    /// What is wrong.
+    pub error: StoreError,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.file {
+            Some(file) => write!(f, "{file} ({}): {}", self.object, self.error),
+            None => write!(f, "{}: {}", self.object, self.error),
+        }
+    }
+}
+
+/// The outcome of [`Store::verify`].
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    /// The checkpoint.
+    pub id: CheckpointId,
+    /// Distinct stored files checked.
+    pub files_checked: usize,
+    /// Their bytes.
+    pub bytes_checked: u64,
+    /// Everything wrong; empty when the checkpoint is intact.
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    /// Whether nothing is wrong.
+    #[must_use]
+    pub fn is_intact(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// The newest checkpoint that verifies, and the newer ones that did not.
+#[derive(Clone, Debug)]
+pub struct LatestVerified {
+    /// The checkpoint to restore.
+    pub manifest: CheckpointManifest,
+    /// Newer committed checkpoints that failed verification, newest first.
+    pub rejected: Vec<VerifyReport>,
+}
+
+impl Store {
+    /// Opens the store at `uri` (see [`StoreUri::parse`]).
+    pub fn open(uri: &str, options: StoreOptions) -> Result<Self, StoreError> {
+        Self::open_uri(StoreUri::parse(uri)?, options)
+    }
+
+    /// Opens the store at a parsed URI.
+    pub fn open_uri(uri: StoreUri, options: StoreOptions) -> Result<Self, StoreError> {
+        options.check()?;
+        let op = build_operator(&uri, &options)?;
+        let cipher = options.encryption.as_ref().map(Cipher::new);
+        if let Some(key) = &options.encryption {
+            tracing::debug!(store = %uri, key = %key.fingerprint(), "store opened with encryption");
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                op,
+                uri,
+                cipher,
+                options,
+                known: Mutex::new(HashSet::new()),
+            }),
+        })
+    }
+
+    /// Where the store lives (no credentials).
+    #[must_use]
+    pub fn uri(&self) -> &StoreUri {
+        &self.inner.uri
+    }
+
+    /// Whether objects are encrypted at rest.
+    #[must_use]
+    pub fn is_encrypted(&self) -> bool {
+        self.inner.cipher.is_some()
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Objects.
+
+    /// Writes an object (sealed when the store is encrypted), replacing any old one.
+    pub(crate) async fn put(&self, path: &str, plain: Vec<u8>) -> Result<(), StoreError> {
+        let bytes = self.seal(path, plain)?;
+        self.put_raw(path, bytes, false).await.map(|_| ())
+    }
+
+    /// Writes an object only if none exists; `Ok(false)` when one did.
+    pub(crate) async fn put_new(&self, path: &str, plain: Vec<u8>) -> Result<bool, StoreError> {
+        let bytes = self.seal(path, plain)?;
+        self.put_raw(path, bytes, true).await
+    }
+
+    /// Writes bytes as they are (the lease is never encrypted: anyone must be able to
+    /// read who holds it).
+    pub(crate) async fn put_raw(
+        &self,
+        path: &str,
+        bytes: Vec<u8>,
+        if_not_exists: bool,
+    ) -> Result<bool, StoreError> {
+        match self
+            .inner
+            .op
+            .write_with(path, bytes)
+            .if_not_exists(if_not_exists)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if if_not_exists && e.kind() == ErrorKind::ConditionNotMatch => Ok(false),
+            Err(e) => Err(StoreError::backend("write", path, e)),
+        }
+    }
+
+    /// Reads an object and opens it when the store is encrypted.
+    pub(crate) async fn get(&self, path: &str) -> Result<Vec<u8>, StoreError> {
+        let bytes = self.get_raw(path).await?;
+        self.open_sealed(path, bytes)
+    }
+
+    pub(crate) async fn get_raw(&self, path: &str) -> Result<Vec<u8>, StoreError> {
+        self.inner
+            .op
+            .read(path)
+            .await
+            .map(|buffer| buffer.to_vec())
+            .map_err(|e| StoreError::backend("read", path, e))
+    }
+
+    /// Size of an object, `None` when it does not exist.
+    pub(crate) async fn size_of(&self, path: &str) -> Result<Option<u64>, StoreError> {
+        match self.inner.op.stat(path).await {
+            Ok(meta) => Ok(Some(meta.content_length())),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::backend("stat", path, e)),
+        }
+    }
+
+    /// Every object under `prefix`, recursively, in lexicographic order.
+    pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError> {
+        let entries = match self.inner.op.list_with(prefix).recursive(true).await {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(StoreError::backend("list", prefix, e)),
+        };
+        let mut listed: Vec<Listed> = entries
+            .into_iter()
+            .filter(|entry| entry.metadata().is_file())
+            .map(|entry| Listed {
+                path: entry.path().to_owned(),
+                size: entry.metadata().content_length(),
+                modified: entry.metadata().last_modified().map(SystemTime::from),
+            })
+            .collect();
+        listed.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(listed)
+    }
+
+    /// When an object was last written (a stat when the listing did not say).
+    pub(crate) async fn modified(&self, object: &Listed) -> Result<Option<SystemTime>, StoreError> {
+        if object.modified.is_some() {
+            return Ok(object.modified);
+        }
+        match self.inner.op.stat(&object.path).await {
+            Ok(meta) => Ok(meta.last_modified().map(SystemTime::from)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::backend("stat", &object.path, e)),
+        }
+    }
+
+    /// Deletes objects, `parallelism` at a time; not-found is success. Gives up once
+    /// `max_failures` deletes have failed.
+    pub(crate) async fn delete_all(
+        &self,
+        paths: Vec<String>,
+        max_failures: usize,
+    ) -> Result<usize, StoreError> {
+        let failures: Mutex<Vec<StoreError>> = Mutex::new(Vec::new());
+        let deleted = futures::stream::iter(paths)
+            .map(|path| {
+                let failures = &failures;
+                async move {
+                    match self.inner.op.delete(&path).await {
+                        Ok(()) => Ok(1usize),
+                        Err(e) if e.kind() == ErrorKind::NotFound => Ok(1),
+                        Err(e) => {
+                            let error = StoreError::backend("delete", &path, e);
+                            tracing::warn!(%error, "delete failed");
+                            let mut all = failures
+                                .lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner);
+                            all.push(error);
+                            if all.len() >= max_failures {
+                                Err(())
+                            } else {
+                                Ok(0)
+                            }
+                        }
+                    }
+                }
+            })
+            .buffer_unordered(self.inner.options.parallelism)
+            .try_fold(0usize, |sum, n| async move { Ok(sum + n) })
+            .await;
+        let failures = failures
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (deleted, failures.into_iter().next()) {
+            (Err(()), Some(first)) => Err(StoreError::TooManyDeleteFailures {
+                failed: max_failures,
+                first: Box::new(first),
+            }),
+            (Ok(deleted), _) => Ok(deleted),
+            (Err(()), None) => Ok(0),
+        }
+    }
+
+    fn seal(&self, path: &str, plain: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+        match &self.inner.cipher {
+            Some(cipher) => cipher.seal(path, &plain),
+            None => Ok(plain),
+        }
+    }
+
+    fn open_sealed(&self, path: &str, bytes: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+        match &self.inner.cipher {
+            Some(cipher) => cipher.open(path, &bytes),
+            None if looks_sealed(&bytes) => Err(StoreError::KeyRequired {
+                path: path.to_owned(),
+            }),
+            None => Ok(bytes),
+        }
+    }
+
+    fn stored_len(&self, plain_len: u64) -> u64 {
+        if self.is_encrypted() {
+            sealed_len(plain_len)
+        } else {
+            plain_len
+        }
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Upload and commit.
+
+    /// Uploads a local snapshot directory: every file of `manifest` the store does not
+    /// already hold (incremental), `parallelism` files at a time, large files in parts;
+    /// each file's SHA-256 is checked against the manifest while it is read. The task
+    /// manifest is written after all its files, and the checkpoint stays invisible
+    /// until [`Store::commit`].
+    pub async fn upload_snapshot(
+        &self,
+        dir: &Path,
+        manifest: &SnapshotManifest,
+        node: stillpoint_wire::NodeId,
+        progress: &dyn Progress,
+    ) -> Result<UploadedSnapshot, StoreError> {
+        let document = manifest.to_bytes().map_err(|source| StoreError::Manifest {
+            path: layout::task_manifest(manifest.checkpoint, manifest.task)
+                .as_str()
+                .to_owned(),
+            source,
+        })?;
+        progress.on_event(&TransferEvent::Started {
+            kind: TransferKind::Upload,
+            files: manifest.files.len(),
+            bytes: manifest.total_bytes(),
+        });
+        let moved: Vec<bool> = futures::stream::iter(&manifest.files)
+            .map(|file| async move {
+                let moved = self.upload_file(dir, file).await?;
+                progress.on_event(&TransferEvent::File {
+                    kind: TransferKind::Upload,
+                    path: file.path.as_str(),
+                    bytes: file.size,
+                    moved,
+                });
+                Ok::<_, StoreError>(moved)
+            })
+            .buffer_unordered(self.inner.options.parallelism)
+            .try_collect()
+            .await?;
+        let path = layout::task_manifest(manifest.checkpoint, manifest.task);
+        let sha256 = Sha256Digest::of(&document);
+        self.put(path.as_str(), document).await?;
+        progress.on_event(&TransferEvent::Finished {
+            kind: TransferKind::Upload,
+        });
+        let files_uploaded = moved.iter().filter(|m| **m).count();
+        let bytes_uploaded = manifest
+            .files
+            .iter()
+            .zip(&moved)
+            .filter(|(_, m)| **m)
+            .map(|(f, _)| f.size)
+            .sum();
+        tracing::debug!(
+            checkpoint = %manifest.checkpoint,
+            task = %manifest.task,
+            files_uploaded,
+            bytes_uploaded,
+            "snapshot uploaded"
+        );
+        Ok(UploadedSnapshot {
+            reference: TaskSnapshotRef {
+                task: manifest.task,
+                node,
+                manifest: path,
+                sha256,
+                state_bytes: manifest.total_bytes(),
+            },
+            files_uploaded,
+            bytes_uploaded,
+            files_reused: moved.len() - files_uploaded,
+            state_bytes: manifest.total_bytes(),
+        })
+    }
+
+    fn is_known(&self, digest: &Sha256Digest) -> bool {
+        self.inner
+            .known
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(digest)
+    }
+
+    fn remember(&self, digest: Sha256Digest) {
+        self.inner
+            .known
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(digest);
+    }
+
+    /// Uploads one file unless stored; `Ok(true)` when bytes moved.
+    async fn upload_file(&self, dir: &Path, file: &SnapshotFile) -> Result<bool, StoreError> {
+        if file.shared && self.is_known(&file.sha256) {
+            return Ok(false);
+        }
+        let object = layout::shared_object(&file.sha256);
+        if self.size_of(&object).await? == Some(self.stored_len(file.size)) {
+            self.remember(file.sha256);
+            return Ok(false);
+        }
+        let local = dir.join(file.path.as_str());
+        let meta = tokio::fs::metadata(&local)
+            .await
+            .map_err(|e| StoreError::local("stat", &local, &e))?;
+        if meta.len() != file.size {
+            return Err(StoreError::LocalMismatch {
+                path: local,
+                problem: format!("{} bytes, manifest says {}", meta.len(), file.size),
+            });
+        }
+        let part = self.inner.options.part_size;
+        if self.is_encrypted() || file.size <= part as u64 {
+            let plain = tokio::fs::read(&local)
+                .await
+                .map_err(|e| StoreError::local("read", &local, &e))?;
+            check_local(&local, &plain, file)?;
+            self.put(&object, plain).await?;
+        } else {
+            self.upload_in_parts(&local, &object, file).await?;
+        }
+        self.remember(file.sha256);
+        Ok(true)
+    }
+
+    async fn upload_in_parts(
+        &self,
+        local: &Path,
+        object: &str,
+        file: &SnapshotFile,
+    ) -> Result<(), StoreError> {
+        use tokio::io::AsyncReadExt;
+        let options = &self.inner.options;
+        let mut reader = tokio::fs::File::open(local)
+            .await
+            .map_err(|e| StoreError::local("open", local, &e))?;
+        let mut writer = self
+            .inner
+            .op
+            .writer_with(object)
+            .chunk(options.part_size)
+            .concurrent(options.part_concurrency)
+            .await
+            .map_err(|e| StoreError::backend("write", object, e))?;
+        let mut hasher = Sha256::new();
+        let mut left = file.size;
+        let result: Result<(), StoreError> = async {
+            while left > 0 {
+                let want = usize::try_from(left.min(options.part_size as u64))
+                    .unwrap_or(options.part_size);
+                let mut buf = vec![0u8; want];
+                reader
+                    .read_exact(&mut buf)
+                    .await
+                    .map_err(|e| StoreError::local("read", local, &e))?;
+                hasher.update(&buf);
+                writer
+                    .write(Bytes::from(buf))
+                    .await
+                    .map_err(|e| StoreError::backend("write", object, e))?;
+                left -= want as u64;
+            }
+            let digest = Sha256Digest(hasher.finalize().into());
+            if digest != file.sha256 {
+                return Err(StoreError::LocalMismatch {
+                    path: local.to_owned(),
+                    problem: format!("SHA-256 is {digest}, manifest says {}", file.sha256),
+                });
+            }
+            Ok(())
+        }
+        .await;
+        match result {
+            Ok(()) => writer
+                .close()
+                .await
+                .map(|_| ())
+                .map_err(|e| StoreError::backend("write", object, e)),
+            Err(error) => {
+                // The upload is abandoned; an aborted multipart upload is never visible.
+                if let Err(abort) = writer.abort().await {
+                    tracing::debug!(%abort, object, "abort of a failed upload failed");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Commits a checkpoint: checks that every task manifest it lists is stored and
+    /// matches its digest, checks that `lease` is still held (fencing: a writer that
+    /// lost its lease cannot commit), then writes the global manifest if no manifest
+    /// for that id exists. Its presence is the commit.
+    pub async fn commit(
+        &self,
+        manifest: &CheckpointManifest,
+        lease: &Lease,
+    ) -> Result<(), StoreError> {
+        let path = layout::commit_object(manifest.checkpoint);
+        let document = manifest
+            .to_bytes()
+            .map_err(|source| StoreError::Manifest {
+                path: path.clone(),
+                source,
+            })?;
+        futures::stream::iter(&manifest.tasks)
+            .map(|task| self.task_manifest(task))
+            .buffer_unordered(self.inner.options.parallelism)
+            .try_for_each(|_| async { Ok(()) })
+            .await?;
+        lease.check().await?;
+        if !self.put_new(&path, document).await? {
+            return Err(StoreError::AlreadyCommitted(manifest.checkpoint));
+        }
+        tracing::info!(checkpoint = %manifest.checkpoint, tasks = manifest.tasks.len(), "checkpoint committed");
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Reading checkpoints.
+
+    /// Every checkpoint in the store, oldest first: committed, corrupt or incomplete.
+    pub async fn checkpoints(&self) -> Result<Vec<CheckpointListing>, StoreError> {
+        let mut ids: BTreeMap<CheckpointId, (bool, usize)> = BTreeMap::new();
+        for object in self.list(layout::CHECKPOINTS).await? {
+            let Some(id) = layout::checkpoint_of(&object.path) else {
+                continue;
+            };
+            let entry = ids.entry(id).or_default();
+            if object.path.ends_with(layout::COMMIT_FILE) {
+                entry.0 = true;
+            } else {
+                entry.1 += 1;
+            }
+        }
+        let mut out = Vec::with_capacity(ids.len());
+        for (id, (committed, task_manifests)) in ids {
+            let status = if committed {
+                match self.checkpoint(id).await {
+                    Ok(manifest) => ListingStatus::Committed(manifest),
+                    Err(error) if error.is_temporary() => return Err(error),
+                    Err(error) => ListingStatus::Corrupt(error),
+                }
+            } else {
+                ListingStatus::Incomplete { task_manifests }
+            };
+            out.push(CheckpointListing { id, status });
+        }
+        Ok(out)
+    }
+
+    /// Ids of committed checkpoints (the global manifest exists), oldest first, without
+    /// reading them.
+    pub async fn committed_ids(&self) -> Result<Vec<CheckpointId>, StoreError> {
+        Ok(self
+            .list(layout::CHECKPOINTS)
+            .await?
+            .iter()
+            .filter(|o| o.path.ends_with(layout::COMMIT_FILE))
+            .filter_map(|o| layout::checkpoint_of(&o.path))
+            .collect())
+    }
+
+    /// The global manifest of a committed checkpoint, verified.
+    pub async fn checkpoint(&self, id: CheckpointId) -> Result<CheckpointManifest, StoreError> {
+        let path = layout::commit_object(id);
+        let bytes = self.get(&path).await.map_err(|e| match e {
+            StoreError::NotFound { .. } => StoreError::NoSuchCheckpoint(id),
+            other => other,
+        })?;
+        let manifest = CheckpointManifest::parse(&bytes).map_err(|source| StoreError::Manifest {
+            path: path.clone(),
+            source,
+        })?;
+        if manifest.checkpoint != id {
+            return Err(StoreError::Corrupt {
+                path,
+                problem: format!("the manifest is for {}", manifest.checkpoint),
+            });
+        }
+        Ok(manifest)
+    }
+
+    /// The newest committed checkpoint whose global manifest verifies, if any (no
+    /// file is read: use [`Store::latest_verified`] before restoring).
+    pub async fn latest(&self) -> Result<Option<CheckpointManifest>, StoreError> {
+        for id in self.committed_ids().await?.into_iter().rev() {
+            match self.checkpoint(id).await {
+                Ok(manifest) => return Ok(Some(manifest)),
+                Err(e) if e.is_temporary() => return Err(e),
+                Err(e) => tracing::warn!(checkpoint = %id, error = %e, "skipping a corrupt checkpoint"),
+            }
+        }
+        Ok(None)
+    }
+
+    /// A task's snapshot manifest, checked against the digest its reference records.
+    pub async fn task_manifest(
+        &self,
+        reference: &TaskSnapshotRef,
+    ) -> Result<SnapshotManifest, StoreError> {
+        let path = reference.manifest.as_str();
+        let bytes = self.get(path).await?;
+        let digest = Sha256Digest::of(&bytes);
+        if digest != reference.sha256 {
+            return Err(StoreError::Corrupt {
+                path: path.to_owned(),
+                problem: format!(
+                    "SHA-256 is {digest}, the checkpoint manifest says {}",
+                    reference.sha256
+                ),
+            });
+        }
+        let manifest = SnapshotManifest::parse(&bytes).map_err(|source| StoreError::Manifest {
+            path: path.to_owned(),
+            source,
+        })?;
+        if manifest.task != reference.task {
+            return Err(StoreError::Corrupt {
+                path: path.to_owned(),
+                problem: format!("the manifest is of {}, not {}", manifest.task, reference.task),
+            });
+        }
+        Ok(manifest)
+    }
+
+    /// Checks a committed checkpoint: its manifests, and every file's presence and size
+    /// (or, at [`VerifyDepth::Content`], its SHA-256). Every problem is reported, each
+    /// naming its object; an error is returned only when the store cannot be read.
+    pub async fn verify(
+        &self,
+        id: CheckpointId,
+        depth: VerifyDepth,
+        progress: &dyn Progress,
+    ) -> Result<VerifyReport, StoreError> {
+        let mut report = VerifyReport {
+            id,
+            files_checked: 0,
+            bytes_checked: 0,
+            problems: Vec::new(),
+        };
+        let manifest = match self.checkpoint(id).await {
+            Ok(manifest) => manifest,
+            Err(error) if error.is_temporary() => return Err(error),
+            Err(error) => {
+                report.problems.push(Problem {
+                    object: layout::commit_object(id),
+                    file: None,
+                    error,
+                });
+                return Ok(report);
+            }
+        };
+        // Each stored object once, with the first snapshot file that names it.
+        let mut objects: BTreeMap<String, (String, u64, Sha256Digest)> = BTreeMap::new();
+        let mut snapshots = Vec::new();
+        for task in &manifest.tasks {
+            match self.task_manifest(task).await {
+                Ok(snapshot) => snapshots.push(snapshot),
+                Err(error) if error.is_temporary() => return Err(error),
+                Err(error) => report.problems.push(Problem {
+                    object: task.manifest.as_str().to_owned(),
+                    file: None,
+                    error,
+                }),
+            }
+        }
+        for snapshot in &snapshots {
+            for file in &snapshot.files {
+                objects
+                    .entry(layout::shared_object(&file.sha256))
+                    .or_insert_with(|| {
+                        (
+                            format!("{}: {}", snapshot.task, file.path),
+                            file.size,
+                            file.sha256,
+                        )
+                    });
+            }
+        }
+        progress.on_event(&TransferEvent::Started {
+            kind: TransferKind::Verify,
+            files: objects.len(),
+            bytes: objects.values().map(|(_, size, _)| size).sum(),
+        });
+        let results: Vec<(String, String, u64, Result<(), StoreError>)> =
+            futures::stream::iter(objects)
+                .map(|(object, (file, size, digest))| async move {
+                    let outcome = self.check_object(&object, size, &digest, depth).await;
+                    progress.on_event(&TransferEvent::File {
+                        kind: TransferKind::Verify,
+                        path: &object,
+                        bytes: size,
+                        moved: true,
+                    });
+                    (object, file, size, outcome)
+                })
+                .buffer_unordered(self.inner.options.parallelism)
+                .collect()
+                .await;
+        for (object, file, size, outcome) in results {
+            report.files_checked += 1;
+            report.bytes_checked += size;
+            match outcome {
+                Ok(()) => {}
+                Err(error) if error.is_temporary() => return Err(error),
+                Err(error) => report.problems.push(Problem {
+                    object,
+                    file: Some(file),
+                    error,
+                }),
+            }
+        }
+        report.problems.sort_by(|a, b| a.object.cmp(&b.object));
+        progress.on_event(&TransferEvent::Finished {
+            kind: TransferKind::Verify,
+        });
+        Ok(report)
+    }
+
+    async fn check_object(
+        &self,
+        object: &str,
+        size: u64,
+        digest: &Sha256Digest,
+        depth: VerifyDepth,
+    ) -> Result<(), StoreError> {
+        let stored = self.size_of(object).await?.ok_or_else(|| StoreError::NotFound {
+            path: object.to_owned(),
+        })?;
+        let expected = self.stored_len(size);
+        if stored != expected {
+            return Err(StoreError::Corrupt {
+                path: object.to_owned(),
+                problem: format!("{stored} bytes stored, expected {expected}"),
+            });
+        }
+        if depth == VerifyDepth::Content {
+            let plain = self.get(object).await?;
+            let computed = Sha256Digest::of(&plain);
+            if computed != *digest {
+                return Err(StoreError::Corrupt {
+                    path: object.to_owned(),
+                    problem: format!("SHA-256 is {computed}, expected {digest}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Walks back from the newest committed checkpoint to the first one that verifies
+    /// at `depth`; the newer ones that did not are returned with their problems.
+    pub async fn latest_verified(
+        &self,
+        depth: VerifyDepth,
+    ) -> Result<Option<LatestVerified>, StoreError> {
+        let mut rejected = Vec::new();
+        for id in self.committed_ids().await?.into_iter().rev() {
+            let report = self.verify(id, depth, &()).await?;
+            if report.is_intact() {
+                let manifest = self.checkpoint(id).await?;
+                return Ok(Some(LatestVerified { manifest, rejected }));
+            }
+            tracing::warn!(
+                checkpoint = %id,
+                problems = report.problems.len(),
+                first = %report.problems.first().map(ToString::to_string).unwrap_or_default(),
+                "checkpoint does not verify; falling back to an older one"
+            );
+            rejected.push(report);
+        }
+        Ok(None)
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Download.
+
+    /// Downloads a task's snapshot into `dir` (created if missing), `parallelism` files
+    /// at a time. Every file is checked against its SHA-256 while it is written to a
+    /// `.partial` file, which is renamed into place only when it matches; local files
+    /// that already match are kept (local recovery), so an interrupted download resumes
+    /// where it stopped.
+    pub async fn download_snapshot(
+        &self,
+        manifest: &SnapshotManifest,
+        dir: &Path,
+        progress: &dyn Progress,
+    ) -> Result<DownloadReport, StoreError> {
+        self.download_snapshot_with(manifest, dir, progress, &HashSet::new(), None)
+            .await
+    }
+
+    /// [`Store::download_snapshot`], trusting local files in `trusted` whose size
+    /// matches (a journal recorded them verified) and recording each finished file in
+    /// `journal` (group: task id, item: the file's path).
+    pub(crate) async fn download_snapshot_with(
+        &self,
+        manifest: &SnapshotManifest,
+        dir: &Path,
+        progress: &dyn Progress,
+        trusted: &HashSet<String>,
+        journal: Option<&crate::Journal<u32, String>>,
+    ) -> Result<DownloadReport, StoreError> {
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| StoreError::local("create directory", dir, &e))?;
+        progress.on_event(&TransferEvent::Started {
+            kind: TransferKind::Download,
+            files: manifest.files.len(),
+            bytes: manifest.total_bytes(),
+        });
+        let mut report = DownloadReport::default();
+        let mut done = futures::stream::iter(&manifest.files)
+            .map(|file| async move {
+                let dest = dir.join(file.path.as_str());
+                let moved = if trusted.contains(file.path.as_str())
+                    && local_size(&dest).await? == Some(file.size)
+                {
+                    false
+                } else {
+                    self.download_file(file, dir).await?
+                };
+                Ok::<_, StoreError>((file, moved))
+            })
+            .buffer_unordered(self.inner.options.parallelism);
+        while let Some(outcome) = done.next().await {
+            let (file, moved) = outcome?;
+            if let Some(journal) = journal {
+                journal
+                    .append(manifest.task.get(), vec![file.path.as_str().to_owned()])
+                    .await?;
+            }
+            if moved {
+                report.files_downloaded += 1;
+                report.bytes_downloaded += file.size;
+            } else {
+                report.files_reused += 1;
+            }
+            progress.on_event(&TransferEvent::File {
+                kind: TransferKind::Download,
+                path: file.path.as_str(),
+                bytes: file.size,
+                moved,
+            });
+        }
+        progress.on_event(&TransferEvent::Finished {
+            kind: TransferKind::Download,
+        });
+        Ok(report)
+    }
+
+    async fn download_file(&self, file: &SnapshotFile, dir: &Path) -> Result<bool, StoreError> {
+        let dest = dir.join(file.path.as_str());
+        if local_matches(&dest, file).await? {
+            return Ok(false);
+        }
+        if let Some(parent) = dest.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|e| StoreError::local("create directory", parent, &e))?;
+        }
+        let object = layout::shared_object(&file.sha256);
+        let partial = partial_path(&dest);
+        let result = self.fetch_into(&object, file, &partial).await;
+        if let Err(error) = result {
+            // Best effort: a stale partial file is overwritten by the next attempt.
+            let _removed = tokio::fs::remove_file(&partial).await;
+            return Err(error);
+        }
+        tokio::fs::rename(&partial, &dest)
+            .await
+            .map_err(|e| StoreError::local("rename", &partial, &e))?;
+        Ok(true)
+    }
+
+    async fn fetch_into(
+        &self,
+        object: &str,
+        file: &SnapshotFile,
+        partial: &Path,
+    ) -> Result<(), StoreError> {
+        let mut out = tokio::fs::File::create(partial)
+            .await
+            .map_err(|e| StoreError::local("create", partial, &e))?;
+        let mut hasher = Sha256::new();
+        let mut written = 0u64;
+        if self.is_encrypted() || file.size <= self.inner.options.part_size as u64 {
+            let plain = self.get(object).await?;
+            hasher.update(&plain);
+            written = plain.len() as u64;
+            out.write_all(&plain)
+                .await
+                .map_err(|e| StoreError::local("write", partial, &e))?;
+        } else {
+            let options = &self.inner.options;
+            let reader = self
+                .inner
+                .op
+                .reader_with(object)
+                .chunk(options.part_size)
+                .concurrent(options.part_concurrency)
+                .await
+                .map_err(|e| StoreError::backend("read", object, e))?;
+            let mut stream = reader
+                .into_bytes_stream(0..file.size)
+                .await
+                .map_err(|e| StoreError::backend("read", object, e))?;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|e| {
+                    StoreError::backend("read", object, opendal::Error::new(ErrorKind::Unexpected, e.to_string()).set_temporary())
+                })?;
+                hasher.update(&chunk);
+                written += chunk.len() as u64;
+                out.write_all(&chunk)
+                    .await
+                    .map_err(|e| StoreError::local("write", partial, &e))?;
+            }
+        }
+        if written != file.size {
+            return Err(StoreError::Corrupt {
+                path: object.to_owned(),
+                problem: format!("{written} bytes, manifest says {}", file.size),
+            });
+        }
+        let digest = Sha256Digest(hasher.finalize().into());
+        if digest != file.sha256 {
+            return Err(StoreError::Corrupt {
+                path: object.to_owned(),
+                problem: format!("SHA-256 is {digest}, manifest says {}", file.sha256),
+            });
+        }
+        out.sync_all()
+            .await
+            .map_err(|e| StoreError::local("sync", partial, &e))?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Statistics and deletion.
+
+    /// Stores a statistics document for a checkpoint (the engine's per-checkpoint
+    /// figures), replacing any earlier one.
+    pub async fn put_stats<T: serde::Serialize>(
+        &self,
+        id: CheckpointId,
+        stats: &T,
+    ) -> Result<(), StoreError> {
+        let path = layout::stats_object(id);
+        let bytes = serde_json::to_vec(stats).map_err(|e| StoreError::Corrupt {
+            path: path.clone(),
+            problem: format!("statistics could not be encoded: {e}"),
+        })?;
+        self.put(&path, bytes).await
+    }
+
+    /// Every statistics document, oldest checkpoint first; undecodable ones are skipped
+    /// with a warning.
+    pub async fn stats<T: serde::de::DeserializeOwned>(
+        &self,
+    ) -> Result<Vec<(CheckpointId, T)>, StoreError> {
+        let mut out = Vec::new();
+        for object in self.list(layout::STATS).await? {
+            let Some(id) = object
+                .path
+                .strip_prefix(layout::STATS)
+                .and_then(|name| name.strip_suffix(".json"))
+                .and_then(|digits| digits.parse().ok())
+                .map(CheckpointId)
+            else {
+                continue;
+            };
+            let bytes = self.get(&object.path).await?;
+            match serde_json::from_slice(&bytes) {
+                Ok(stats) => out.push((id, stats)),
+                Err(e) => tracing::warn!(path = object.path, error = %e, "skipping undecodable statistics"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Deletes a checkpoint's manifests (global manifest first, so it stops being
+    /// complete before anything it references goes) and its statistics. Shared files
+    /// are left to [`crate::gc`].
+    pub async fn delete_checkpoint(&self, id: CheckpointId) -> Result<(), StoreError> {
+        let commit = layout::commit_object(id);
+        self.delete_all(vec![commit.clone()], 1).await?;
+        let rest: Vec<String> = self
+            .list(&layout::checkpoint_dir(id))
+            .await?
+            .into_iter()
+            .map(|o| o.path)
+            .filter(|p| *p != commit)
+            .chain(std::iter::once(layout::stats_object(id)))
+            .collect();
+        self.delete_all(rest, 16).await.map(|_| ())
+    }
+}
+
+fn check_local(local: &Path, plain: &[u8], file: &SnapshotFile) -> Result<(), StoreError> {
+    if plain.len() as u64 != file.size {
+        return Err(StoreError::LocalMismatch {
+            path: local.to_owned(),
+            problem: format!("{} bytes, manifest says {}", plain.len(), file.size),
+        });
+    }
+    let digest = Sha256Digest::of(plain);
+    if digest != file.sha256 {
+        return Err(StoreError::LocalMismatch {
+            path: local.to_owned(),
+            problem: format!("SHA-256 is {digest}, manifest says {}", file.sha256),
+        });
+    }
+    Ok(())
+}
+
+fn partial_path(dest: &Path) -> PathBuf {
+    let mut name = dest.file_name().unwrap_or_default().to_owned();
+    name.push(".partial");
+    dest.with_file_name(name)
+}
+
+async fn local_size(path: &Path) -> Result<Option<u64>, StoreError> {
+    match tokio::fs::metadata(path).await {
+        Ok(meta) if meta.is_file() => Ok(Some(meta.len())),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(StoreError::local("stat", path, &e)),
+    }
+}
+
+/// Whether a local file exists with the manifest's size and SHA-256.
+pub(crate) async fn local_matches(path: &Path, file: &SnapshotFile) -> Result<bool, StoreError> {
+    match tokio::fs::metadata(path).await {
+        Ok(meta) if meta.is_file() && meta.len() == file.size => {}
+        Ok(_) => return Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(StoreError::local("stat", path, &e)),
+    }
+    let owned = path.to_owned();
+    let digest = tokio::task::spawn_blocking(move || hash_file(&owned))
+        .await
+        .map_err(|e| StoreError::Local {
+            operation: "hash",
+            path: path.to_owned(),
+            message: e.to_string(),
+            kind: std::io::ErrorKind::Other,
+        })??;
+    Ok(digest == file.sha256)
+}
+
+fn hash_file(path: &Path) -> Result<Sha256Digest, StoreError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| StoreError::local("open", path, &e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| StoreError::local("read", path, &e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(buf.get(..n).unwrap_or_default());
+    }
+    Ok(Sha256Digest(hasher.finalize().into()))
+}
+
+fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, StoreError> {
+    let config_error = |e: opendal::Error| StoreError::InvalidUri {
+        uri: uri.to_string(),
+        reason: e.to_string(),
+    };
+    let op = match uri {
+        StoreUri::File { root } => {
+            // Writes go to a temporary file renamed into place: a crash mid-write never
+            // leaves a partial object under its final name.
+            let staging = root.join(".tmp");
+            std::fs::create_dir_all(&staging)
+                .map_err(|e| StoreError::local("create directory", &staging, &e))?;
+            let builder = opendal::services::Fs::default()
+                .root(&root.to_string_lossy())
+                .atomic_write_dir(&staging.to_string_lossy());
+            Operator::new(builder).map_err(config_error)?
+        }
+        StoreUri::Memory => {
+            Operator::new(opendal::services::Memory::default()).map_err(config_error)?
+        }
+        StoreUri::S3 {
+            bucket,
+            prefix,
+            endpoint,
+            region,
+        } => {
+            let credentials = options
+                .s3_credentials
+                .clone()
+                .or_else(crate::uri::S3Credentials::from_env)
+                .ok_or_else(|| StoreError::MissingCredentials {
+                    uri: uri.to_string(),
+                    hint: "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or pass S3Credentials)",
+                })?;
+            let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+            let region = region
+                .clone()
+                .or_else(|| env("AWS_REGION"))
+                .or_else(|| env("AWS_DEFAULT_REGION"))
+                .unwrap_or_else(|| "us-east-1".to_owned());
+            let mut builder = opendal::services::S3::default()
+                .bucket(bucket)
+                .root(&format!("/{prefix}"))
+                .region(&region)
+                .access_key_id(&credentials.access_key_id)
+                .secret_access_key(&credentials.secret_access_key)
+                // Explicit and hermetic: no ~/.aws files, no instance metadata probes.
+                .disable_config_load()
+                .disable_ec2_metadata();
+            if let Some(token) = &credentials.session_token {
+                builder = builder.session_token(token);
+            }
+            if let Some(endpoint) = endpoint.clone().or_else(|| env("AWS_ENDPOINT_URL")) {
+                builder = builder.endpoint(&endpoint);
+            }
+            Operator::new(builder).map_err(config_error)?
+        }
+    };
+    let op = match &options.faults {
+        Some(faults) => op.layer(FaultLayer::new(faults)),
+        None => op,
+    };
+    let retry = &options.retry;
+    Ok(op
+        .layer(
+            TimeoutLayer::new()
+                .with_timeout(options.timeout)
+                .with_io_timeout(options.io_timeout),
+        )
+        .layer(
+            RetryLayer::new()
+                .with_jitter()
+                .with_max_times(retry.max_retries)
+                .with_min_delay(retry.min_delay)
+                .with_max_delay(retry.max_delay),
+        )
+        .layer(LoggingLayer::default()))
+}
+
+/// Relative path helper for callers that build task manifest paths themselves.
+#[must_use]
+pub fn task_manifest_path(id: CheckpointId, task: stillpoint_wire::TaskId) -> RelativePath {
+    layout::task_manifest(id, task)
+}

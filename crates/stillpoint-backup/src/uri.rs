@@ -1,0 +1,342 @@
+//! Store URIs (`file://`, `s3://`, `memory://`) and the options a store opens with.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::{EncryptionKey, FaultConfig, StoreError};
+
+/// Where a store lives. Parsed from a URI; displays without credentials.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreUri {
+    /// A directory on a local (or mounted) file system: `file:///abs/dir` or
+    /// `file://relative/dir` (relative to the working directory).
+    File {
+        /// The directory, absolute.
+        root: PathBuf,
+    },
+    /// An S3-compatible bucket: `s3://bucket/prefix?endpoint=URL&region=R`.
+    S3 {
+        /// The bucket.
+        bucket: String,
+        /// The key prefix inside the bucket, without leading or trailing `/`.
+        prefix: String,
+        /// The endpoint (`endpoint=` in the URI or `AWS_ENDPOINT_URL`); AWS when absent.
+        endpoint: Option<String>,
+        /// The region (`region=`, `AWS_REGION`, `AWS_DEFAULT_REGION`); `us-east-1` when absent.
+        region: Option<String>,
+    },
+    /// Process memory, for tests: `memory://` (every open is a new, empty store).
+    Memory,
+}
+
+impl StoreUri {
+    /// Parses a store URI.
+    pub fn parse(uri: &str) -> Result<Self, StoreError> {
+        let invalid = |reason: &str| StoreError::InvalidUri {
+            uri: uri.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let Some((scheme, rest)) = uri.split_once("://") else {
+            return Err(invalid(
+                "expected SCHEME://…, one of file://DIR, s3://BUCKET/PREFIX, memory://",
+            ));
+        };
+        match scheme {
+            "file" => {
+                if rest.contains('?') {
+                    return Err(invalid("file:// URIs take no query options"));
+                }
+                if rest.is_empty() {
+                    return Err(invalid("file:// needs a directory, e.g. file:///var/lib/stillpoint"));
+                }
+                let path = PathBuf::from(rest);
+                let root = if path.is_absolute() {
+                    path
+                } else {
+                    std::env::current_dir()
+                        .map_err(|e| invalid(&format!("cannot resolve a relative path: {e}")))?
+                        .join(path)
+                };
+                Ok(Self::File { root })
+            }
+            "memory" => {
+                if !rest.is_empty() && rest != "/" {
+                    return Err(invalid("memory:// takes no path"));
+                }
+                Ok(Self::Memory)
+            }
+            "s3" => {
+                let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
+                if bucket.is_empty() {
+                    return Err(invalid("s3:// needs a bucket, e.g. s3://my-bucket/jobs/wordcount"));
+                }
+                if !bucket
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+                {
+                    return Err(invalid("bucket names are lowercase letters, digits, '-' and '.'"));
+                }
+                let mut endpoint = None;
+                let mut region = None;
+                for pair in query.split('&').filter(|p| !p.is_empty()) {
+                    let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                    match key {
+                        "endpoint" => endpoint = Some(value.to_owned()),
+                        "region" => region = Some(value.to_owned()),
+                        "access_key_id" | "secret_access_key" | "session_token" => {
+                            return Err(invalid(
+                                "credentials do not belong in a URI (it gets logged); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                            ));
+                        }
+                        other => {
+                            return Err(invalid(&format!(
+                                "unknown option {other:?} (known: endpoint, region)"
+                            )));
+                        }
+                    }
+                }
+                if let Some(value) = &endpoint {
+                    if !(value.starts_with("http://") || value.starts_with("https://")) {
+                        return Err(invalid("endpoint must start with http:// or https://"));
+                    }
+                }
+                Ok(Self::S3 {
+                    bucket: bucket.to_owned(),
+                    prefix: prefix.trim_matches('/').to_owned(),
+                    endpoint,
+                    region,
+                })
+            }
+            other => Err(invalid(&format!(
+                "unknown scheme {other:?}; use file://, s3:// or memory://"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for StoreUri {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::File { root } => write!(f, "file://{}", root.display()),
+            Self::S3 {
+                bucket,
+                prefix,
+                endpoint,
+                ..
+            } => {
+                write!(f, "s3://{bucket}/{prefix}")?;
+                if let Some(endpoint) = endpoint {
+                    write!(f, " at {endpoint}")?;
+                }
+                Ok(())
+            }
+            Self::Memory => f.write_str("memory://"),
+        }
+    }
+}
+
+/// Credentials for S3. When absent from [`StoreOptions`], the standard AWS variables
+/// are read: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`.
+#[derive(Clone)]
+pub struct S3Credentials {
+    /// The access key id.
+    pub access_key_id: String,
+    /// The secret (never logged, not even in `Debug`).
+    pub secret_access_key: String,
+    /// A session token for temporary credentials.
+    pub session_token: Option<String>,
+}
+
+impl std::fmt::Debug for S3Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Credentials")
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+impl S3Credentials {
+    pub(crate) fn from_env() -> Option<Self> {
+        let non_empty = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Some(Self {
+            access_key_id: non_empty("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: non_empty("AWS_SECRET_ACCESS_KEY")?,
+            session_token: non_empty("AWS_SESSION_TOKEN"),
+        })
+    }
+}
+
+/// How retries of temporary errors back off (OpenDAL's retry layer, with jitter).
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Attempts after the first (default 4).
+    pub max_retries: usize,
+    /// First delay (default 50 ms), doubled per attempt.
+    pub min_delay: Duration,
+    /// Longest delay (default 5 s).
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_retries: 4,
+            min_delay: Duration::from_millis(50),
+            max_delay: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How a store is opened. Every field has a documented default.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// S3 credentials; default: the AWS environment variables.
+    pub s3_credentials: Option<S3Credentials>,
+    /// Encrypt every object (but the lease) at rest; default: none, or the key in
+    /// [`crate::KEY_ENV`] when [`StoreOptions::from_env`] is used.
+    pub encryption: Option<EncryptionKey>,
+    /// Files transferred at once (default 8).
+    pub parallelism: usize,
+    /// Files above this size are written in parts (multipart on S3); default 8 MiB.
+    pub part_size: usize,
+    /// Parts of one file in flight at once (default 4).
+    pub part_concurrency: usize,
+    /// Retries of temporary errors.
+    pub retry: RetryPolicy,
+    /// Deadline of one non-streaming operation (stat, delete, list page); default 60 s.
+    pub timeout: Duration,
+    /// Deadline of one read or write of a part; default 120 s.
+    pub io_timeout: Duration,
+    /// Fault injection for tests (below the retry layer); default none.
+    pub faults: Option<FaultConfig>,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            s3_credentials: None,
+            encryption: None,
+            parallelism: 8,
+            part_size: 8 * 1024 * 1024,
+            part_concurrency: 4,
+            retry: RetryPolicy::default(),
+            timeout: Duration::from_secs(60),
+            io_timeout: Duration::from_secs(120),
+            faults: None,
+        }
+    }
+}
+
+impl StoreOptions {
+    /// The defaults, with the encryption key taken from [`crate::KEY_ENV`] when set.
+    pub fn from_env() -> Result<Self, StoreError> {
+        Ok(Self {
+            encryption: EncryptionKey::from_env()?,
+            ..Self::default()
+        })
+    }
+
+    pub(crate) fn check(&self) -> Result<(), StoreError> {
+        let positive = |option, value: usize| {
+            if value == 0 {
+                Err(StoreError::InvalidOption {
+                    option,
+                    reason: "must be at least 1".to_owned(),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("parallelism", self.parallelism)?;
+        positive("part_concurrency", self.part_concurrency)?;
+        if self.part_size < 5 * 1024 * 1024 {
+            return Err(StoreError::InvalidOption {
+                option: "part_size",
+                reason: "S3 parts are at least 5 MiB".to_owned(),
+            });
+        }
+        if let Some(faults) = &self.faults {
+            if !(0.0..=1.0).contains(&faults.error_ratio) {
+                return Err(StoreError::InvalidOption {
+                    option: "faults.error_ratio",
+                    reason: "must be within 0.0..=1.0".to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(uri: &str, expected: Result<StoreUri, &str>) {
+        match (StoreUri::parse(uri), expected) {
+            (Ok(got), Ok(want)) => assert_eq!(got, want, "{uri}"),
+            (Err(StoreError::InvalidUri { reason, .. }), Err(part)) => {
+                assert!(reason.contains(part), "{uri}: {reason:?} lacks {part:?}");
+            }
+            (got, want) => panic!("{uri}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn uris_parse_or_say_what_is_wrong() {
+        check(
+            "file:///var/lib/sp",
+            Ok(StoreUri::File {
+                root: "/var/lib/sp".into(),
+            }),
+        );
+        check("memory://", Ok(StoreUri::Memory));
+        check(
+            "s3://bucket/jobs/wc/?endpoint=http://127.0.0.1:8333&region=us-east-1",
+            Ok(StoreUri::S3 {
+                bucket: "bucket".into(),
+                prefix: "jobs/wc".into(),
+                endpoint: Some("http://127.0.0.1:8333".into()),
+                region: Some("us-east-1".into()),
+            }),
+        );
+        check(
+            "s3://b",
+            Ok(StoreUri::S3 {
+                bucket: "b".into(),
+                prefix: String::new(),
+                endpoint: None,
+                region: None,
+            }),
+        );
+        check("/tmp/x", Err("expected SCHEME://"));
+        check("ftp://x", Err("unknown scheme \"ftp\""));
+        check("file://", Err("needs a directory"));
+        check("memory://x", Err("takes no path"));
+        check("s3:///prefix", Err("needs a bucket"));
+        check("s3://Bucket", Err("lowercase"));
+        check("s3://b?secret_access_key=x", Err("do not belong in a URI"));
+        check("s3://b?colour=red", Err("unknown option \"colour\""));
+        check("s3://b?endpoint=localhost:1", Err("http://"));
+    }
+
+    #[test]
+    fn relative_file_uris_resolve_against_the_working_directory() {
+        let StoreUri::File { root } = StoreUri::parse("file://data/store").unwrap() else {
+            panic!("not a file store");
+        };
+        assert!(root.is_absolute());
+        assert!(root.ends_with("data/store"));
+    }
+
+    #[test]
+    fn credentials_never_show_in_debug_output() {
+        let credentials = S3Credentials {
+            access_key_id: "AKID".into(),
+            secret_access_key: "very-secret".into(),
+            session_token: None,
+        };
+        assert!(!format!("{credentials:?}").contains("very-secret"));
+    }
+}

@@ -1,0 +1,172 @@
+//! Shared helpers of the store's integration tests: local snapshot fixtures, commits,
+//! and a real S3-compatible server (SeaweedFS) for the S3 tests.
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+pub mod s3;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use stillpoint_backup::{Lease, LeaseConfig, ManualClock, Store, StoreOptions, UploadedSnapshot};
+use stillpoint_wire::{
+    BackendInfo, CheckpointId, CheckpointKind, CheckpointManifest, KeyGroupRange, NodeId,
+    RelativePath, Sha256Digest, SnapshotFile, SnapshotManifest, SourceOffset, SourcePosition,
+    StreamId, TaskId, TransId,
+};
+
+/// A tokio runtime for one test.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so file contents differ per seed.
+pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Writes `files` into `dir` and returns their snapshot manifest; a file is `shared`
+/// when `previous` lists the same path with the same digest (as RocksDB's immutable
+/// SSTs are).
+pub fn snapshot(
+    dir: &Path,
+    task: TaskId,
+    checkpoint: CheckpointId,
+    files: &[(&str, Vec<u8>)],
+    previous: Option<&SnapshotManifest>,
+) -> SnapshotManifest {
+    std::fs::create_dir_all(dir).unwrap();
+    let files = files
+        .iter()
+        .map(|(name, content)| {
+            let path = dir.join(name);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).unwrap();
+            }
+            std::fs::write(&path, content).unwrap();
+            let sha256 = Sha256Digest::of(content);
+            let shared = previous.is_some_and(|p| {
+                p.files
+                    .iter()
+                    .any(|f| f.path.as_str() == *name && f.sha256 == sha256)
+            });
+            SnapshotFile {
+                path: RelativePath::new(*name).unwrap(),
+                size: content.len() as u64,
+                sha256,
+                shared,
+            }
+        })
+        .collect();
+    SnapshotManifest {
+        stream: StreamId(1),
+        task,
+        checkpoint,
+        max_parallelism: 128,
+        key_groups: KeyGroupRange { start: 0, end: 128 },
+        backend: BackendInfo {
+            kind: "test".into(),
+            version: "1".into(),
+            options: Default::default(),
+        },
+        files,
+    }
+}
+
+/// The global manifest of `id` listing `uploaded`, every task a source at offset `id`.
+pub fn checkpoint_manifest(
+    id: CheckpointId,
+    kind: CheckpointKind,
+    uploaded: &[UploadedSnapshot],
+) -> CheckpointManifest {
+    CheckpointManifest {
+        stream: StreamId(1),
+        checkpoint: id,
+        trans: TransId(1),
+        kind,
+        created_at_millis: 1_700_000_000_000 + id.get(),
+        max_parallelism: 128,
+        tasks: uploaded.iter().map(|u| u.reference.clone()).collect(),
+        sources: uploaded
+            .iter()
+            .map(|u| SourcePosition {
+                task: u.reference.task,
+                offset: SourceOffset::from_u64(id.get() * 100),
+            })
+            .collect(),
+    }
+}
+
+/// A lease config with no settle wait, for tests.
+pub fn quick_lease(holder: &str) -> LeaseConfig {
+    LeaseConfig {
+        ttl: Duration::from_secs(60),
+        settle: Duration::ZERO,
+        holder: holder.to_owned(),
+    }
+}
+
+/// Takes the job lease on a manual clock.
+pub async fn job_lease(store: &Store, holder: &str, clock: &Arc<ManualClock>) -> Lease {
+    Lease::acquire_job(store, quick_lease(holder), Arc::clone(clock) as _)
+        .await
+        .unwrap()
+}
+
+/// Uploads one task's snapshot of `files` and commits checkpoint `id` with it.
+pub async fn checkpoint_with(
+    store: &Store,
+    lease: &Lease,
+    dir: &Path,
+    id: CheckpointId,
+    kind: CheckpointKind,
+    files: &[(&str, Vec<u8>)],
+    previous: Option<&SnapshotManifest>,
+) -> (SnapshotManifest, UploadedSnapshot) {
+    let local = dir.join(format!("local-{}", id.get()));
+    let manifest = snapshot(&local, TaskId(1), id, files, previous);
+    let uploaded = store
+        .upload_snapshot(&local, &manifest, NodeId(1), &())
+        .await
+        .unwrap();
+    store
+        .commit(&checkpoint_manifest(id, kind, std::slice::from_ref(&uploaded)), lease)
+        .await
+        .unwrap();
+    (manifest, uploaded)
+}
+
+/// A `file://` store in `dir`.
+pub fn file_store(dir: &Path, options: StoreOptions) -> Store {
+    Store::open(&format!("file://{}", dir.display()), options).unwrap()
+}
+
+/// Every regular file under `dir`, recursively.
+pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
