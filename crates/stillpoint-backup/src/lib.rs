@@ -16,7 +16,7 @@
 //! let snapshot = SnapshotManifest {
 //!     stream: StreamId(1), task: TaskId(1), checkpoint: CheckpointId(1),
 //!     max_parallelism: 128, key_groups: KeyGroupRange { start: 0, end: 128 },
-//!     backend: BackendInfo::default(),
+//!     backend: BackendInfo { kind: "rocksdb".into(), version: "11".into(), options: Default::default() },
 //!     files: vec![SnapshotFile {
 //!         path: RelativePath::new("000007.sst")?, size: 14,
 //!         sha256: Sha256Digest::of(b"sorted strings"), shared: false,
