@@ -101,6 +101,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         command.arg("--quick");
         // State benches: 1 M keys (~100 MiB) instead of 10 M (~1 GiB) and 8× that.
         command.env("STILLPOINT_BENCH_KEYS", "1000000");
+        // Backup benches: a 128 MiB snapshot instead of 1 GiB.
+        command.env("STILLPOINT_BENCH_SNAPSHOT_MIB", "128");
     }
     eprintln!("xtask: $ {command:?}");
     let mut child = command

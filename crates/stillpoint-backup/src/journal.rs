@@ -255,7 +255,9 @@ pub struct Journal<K, V, S = ()> {
 
 impl<K, V, S> std::fmt::Debug for Journal<K, V, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Journal").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("Journal")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -294,7 +296,8 @@ where
                 });
             }
         }
-        let lease = Lease::acquire(store, &format!("{root}lease/"), config.lease.clone(), clock).await?;
+        let lease =
+            Lease::acquire(store, &format!("{root}lease/"), config.lease.clone(), clock).await?;
         let (commands, receiver) = mpsc::channel(config.capacity.max(1));
         let error = Arc::new(Mutex::new(None));
         let runner = Runner {
@@ -403,7 +406,8 @@ where
         error: Arc<Mutex<Option<StoreError>>>,
     ) {
         let start = tokio::time::Instant::now();
-        let mut flush = tokio::time::interval_at(start + config.flush_interval, config.flush_interval);
+        let mut flush =
+            tokio::time::interval_at(start + config.flush_interval, config.flush_interval);
         let mut summary =
             tokio::time::interval_at(start + config.summary_interval, config.summary_interval);
         let refresh_every = (config.lease.ttl / 3).max(Duration::from_millis(1));
@@ -413,7 +417,9 @@ where
         }
         let fail = |e: StoreError| {
             tracing::error!(error = %e, "progress journal stopped");
-            let mut slot = error.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut slot = error
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             slot.get_or_insert(e);
         };
         loop {
@@ -546,7 +552,11 @@ where
             };
             opened += 1;
             let skip = |resumed: &mut Resumed<K, V, S>, problem: String| {
-                tracing::warn!(path = object.path, problem, "skipping a corrupt journal file");
+                tracing::warn!(
+                    path = object.path,
+                    problem,
+                    "skipping a corrupt journal file"
+                );
                 resumed.skipped.push((object.path.clone(), problem));
             };
             let file = match JournalFile::parse(&bytes) {
@@ -557,24 +567,28 @@ where
                 }
             };
             match file.kind {
-                JournalFileKind::Records => match serde_json::from_slice::<Vec<(K, Vec<V>)>>(file.body) {
-                    Ok(groups) => {
-                        for (group, items) in groups {
-                            resumed.records.entry(group).or_default().extend(items);
+                JournalFileKind::Records => {
+                    match serde_json::from_slice::<Vec<(K, Vec<V>)>>(file.body) {
+                        Ok(groups) => {
+                            for (group, items) in groups {
+                                resumed.records.entry(group).or_default().extend(items);
+                            }
+                        }
+                        Err(e) => {
+                            skip(&mut resumed, format!("records do not decode: {e}"));
+                            continue;
                         }
                     }
-                    Err(e) => {
-                        skip(&mut resumed, format!("records do not decode: {e}"));
-                        continue;
+                }
+                JournalFileKind::Summaries => {
+                    match serde_json::from_slice::<Vec<(K, S)>>(file.body) {
+                        Ok(summaries) => resumed.summaries.extend(summaries),
+                        Err(e) => {
+                            skip(&mut resumed, format!("summaries do not decode: {e}"));
+                            continue;
+                        }
                     }
-                },
-                JournalFileKind::Summaries => match serde_json::from_slice::<Vec<(K, S)>>(file.body) {
-                    Ok(summaries) => resumed.summaries.extend(summaries),
-                    Err(e) => {
-                        skip(&mut resumed, format!("summaries do not decode: {e}"));
-                        continue;
-                    }
-                },
+                }
             }
             resumed.elapsed = resumed.elapsed.max(file.elapsed);
         }
@@ -607,7 +621,12 @@ pub async fn remove(
     let paths: Vec<String> = objects.into_iter().map(|o| o.path).collect();
     let deleted = store.delete_all(paths, max_failures.max(1)).await?;
     // Anything written since the listing (our own lease files) goes too.
-    let rest: Vec<String> = store.list(&root).await?.into_iter().map(|o| o.path).collect();
+    let rest: Vec<String> = store
+        .list(&root)
+        .await?
+        .into_iter()
+        .map(|o| o.path)
+        .collect();
     let deleted = deleted + store.delete_all(rest, max_failures.max(1)).await?;
     tracing::info!(journal = name, deleted, "journal removed");
     Ok(deleted)
@@ -623,14 +642,21 @@ mod tests {
 
     #[test]
     fn journal_files_round_trip_and_reject_every_malformation() {
-        let good = JournalFile::encode(JournalFileKind::Records, Duration::from_millis(1234), b"[]");
+        let good =
+            JournalFile::encode(JournalFileKind::Records, Duration::from_millis(1234), b"[]");
         let file = JournalFile::parse(&good).unwrap();
         assert_eq!(file.kind, JournalFileKind::Records);
         assert_eq!(file.elapsed, Duration::from_millis(1234));
         assert_eq!(file.body, b"[]");
 
-        check(&good[..10], Err(JournalFileError::Truncated { len: 10, need: 52 }));
-        check(&good[..53], Err(JournalFileError::Truncated { len: 53, need: 54 }));
+        check(
+            &good[..10],
+            Err(JournalFileError::Truncated { len: 10, need: 52 }),
+        );
+        check(
+            &good[..53],
+            Err(JournalFileError::Truncated { len: 53, need: 54 }),
+        );
         let mut bad = good.clone();
         bad[0] = b'X';
         check(&bad, Err(JournalFileError::BadMagic(*b"XPJR")));

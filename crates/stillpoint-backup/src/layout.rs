@@ -55,8 +55,12 @@ pub(crate) fn stats_object(id: CheckpointId) -> String {
 pub(crate) fn task_manifest(id: CheckpointId, task: TaskId) -> RelativePath {
     // The invariant is local: digits, `/`, `-`, `.` and fixed ASCII words, well under
     // the length limit, is always a valid relative path (a unit test pins it).
-    RelativePath::new(format!("{}tasks/task-{}.json", checkpoint_dir(id), task.get()))
-        .expect("a checkpoint id and task id always form a valid relative path")
+    RelativePath::new(format!(
+        "{}tasks/task-{}.json",
+        checkpoint_dir(id),
+        task.get()
+    ))
+    .expect("a checkpoint id and task id always form a valid relative path")
 }
 
 /// The checkpoint id of an object under `checkpoints/`, if it is one.

@@ -344,7 +344,9 @@ pub async fn lease_holder(
 }
 
 fn ttl_millis(config: &LeaseConfig) -> u64 {
-    u64::try_from(config.ttl.as_millis()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(config.ttl.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 fn held(record: &LeaseRecord) -> StoreError {
@@ -397,6 +399,12 @@ async fn claims(store: &Store, scope: &str) -> Result<Vec<u64>, StoreError> {
         .list(&prefix)
         .await?
         .iter()
-        .filter_map(|o| o.path.strip_prefix(&prefix)?.strip_suffix(".json")?.parse().ok())
+        .filter_map(|o| {
+            o.path
+                .strip_prefix(&prefix)?
+                .strip_suffix(".json")?
+                .parse()
+                .ok()
+        })
         .collect())
 }

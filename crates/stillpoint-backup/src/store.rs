@@ -190,6 +190,15 @@ impl Store {
         &self.inner.uri
     }
 
+    /// The raw OpenDAL operator (with the retry, timeout and logging layers), for
+    /// tools and tests that need to reach objects directly. Not part of the stable
+    /// API: writing through it bypasses encryption, checksums and fencing.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn raw_operator(&self) -> &Operator {
+        &self.inner.op
+    }
+
     /// Whether objects are encrypted at rest.
     #[must_use]
     pub fn is_encrypted(&self) -> bool {
@@ -559,12 +568,10 @@ impl Store {
         lease: &Lease,
     ) -> Result<(), StoreError> {
         let path = layout::commit_object(manifest.checkpoint);
-        let document = manifest
-            .to_bytes()
-            .map_err(|source| StoreError::Manifest {
-                path: path.clone(),
-                source,
-            })?;
+        let document = manifest.to_bytes().map_err(|source| StoreError::Manifest {
+            path: path.clone(),
+            source,
+        })?;
         futures::stream::iter(&manifest.tasks)
             .map(|task| self.task_manifest(task))
             .buffer_unordered(self.inner.options.parallelism)
@@ -630,10 +637,11 @@ impl Store {
             StoreError::NotFound { .. } => StoreError::NoSuchCheckpoint(id),
             other => other,
         })?;
-        let manifest = CheckpointManifest::parse(&bytes).map_err(|source| StoreError::Manifest {
-            path: path.clone(),
-            source,
-        })?;
+        let manifest =
+            CheckpointManifest::parse(&bytes).map_err(|source| StoreError::Manifest {
+                path: path.clone(),
+                source,
+            })?;
         if manifest.checkpoint != id {
             return Err(StoreError::Corrupt {
                 path,
@@ -650,7 +658,9 @@ impl Store {
             match self.checkpoint(id).await {
                 Ok(manifest) => return Ok(Some(manifest)),
                 Err(e) if e.is_temporary() => return Err(e),
-                Err(e) => tracing::warn!(checkpoint = %id, error = %e, "skipping a corrupt checkpoint"),
+                Err(e) => {
+                    tracing::warn!(checkpoint = %id, error = %e, "skipping a corrupt checkpoint")
+                }
             }
         }
         Ok(None)
@@ -680,7 +690,10 @@ impl Store {
         if manifest.task != reference.task {
             return Err(StoreError::Corrupt {
                 path: path.to_owned(),
-                problem: format!("the manifest is of {}, not {}", manifest.task, reference.task),
+                problem: format!(
+                    "the manifest is of {}, not {}",
+                    manifest.task, reference.task
+                ),
             });
         }
         Ok(manifest)
@@ -787,9 +800,12 @@ impl Store {
         digest: &Sha256Digest,
         depth: VerifyDepth,
     ) -> Result<(), StoreError> {
-        let stored = self.size_of(object).await?.ok_or_else(|| StoreError::NotFound {
-            path: object.to_owned(),
-        })?;
+        let stored = self
+            .size_of(object)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                path: object.to_owned(),
+            })?;
         let expected = self.stored_len(size);
         if stored != expected {
             return Err(StoreError::Corrupt {
@@ -969,7 +985,11 @@ impl Store {
                 .map_err(|e| StoreError::backend("read", object, e))?;
             while let Some(chunk) = stream.next().await {
                 let chunk = chunk.map_err(|e| {
-                    StoreError::backend("read", object, opendal::Error::new(ErrorKind::Unexpected, e.to_string()).set_temporary())
+                    StoreError::backend(
+                        "read",
+                        object,
+                        opendal::Error::new(ErrorKind::Unexpected, e.to_string()).set_temporary(),
+                    )
                 })?;
                 hasher.update(&chunk);
                 written += chunk.len() as u64;
@@ -1034,7 +1054,9 @@ impl Store {
             let bytes = self.get(&object.path).await?;
             match serde_json::from_slice(&bytes) {
                 Ok(stats) => out.push((id, stats)),
-                Err(e) => tracing::warn!(path = object.path, error = %e, "skipping undecodable statistics"),
+                Err(e) => {
+                    tracing::warn!(path = object.path, error = %e, "skipping undecodable statistics")
+                }
             }
         }
         Ok(out)
@@ -1144,9 +1166,10 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .atomic_write_dir(&staging.to_string_lossy());
             Operator::new(builder).map_err(config_error)?
         }
-        StoreUri::Memory => {
+        StoreUri::Memory { name: None } => {
             Operator::new(opendal::services::Memory::default()).map_err(config_error)?
         }
+        StoreUri::Memory { name: Some(name) } => shared_memory(name).map_err(config_error)?,
         StoreUri::S3 {
             bucket,
             prefix,
@@ -1204,6 +1227,23 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .with_max_delay(retry.max_delay),
         )
         .layer(LoggingLayer::default()))
+}
+
+/// The process-wide memory store called `name` (the bare operator; layers are added
+/// per open).
+fn shared_memory(name: &str) -> opendal::Result<Operator> {
+    static STORES: std::sync::OnceLock<Mutex<BTreeMap<String, Operator>>> =
+        std::sync::OnceLock::new();
+    let mut stores = STORES
+        .get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(op) = stores.get(name) {
+        return Ok(op.clone());
+    }
+    let op = Operator::new(opendal::services::Memory::default())?;
+    stores.insert(name.to_owned(), op.clone());
+    Ok(op)
 }
 
 /// Relative path helper for callers that build task manifest paths themselves.

@@ -25,8 +25,12 @@ pub enum StoreUri {
         /// The region (`region=`, `AWS_REGION`, `AWS_DEFAULT_REGION`); `us-east-1` when absent.
         region: Option<String>,
     },
-    /// Process memory, for tests: `memory://` (every open is a new, empty store).
-    Memory,
+    /// Process memory, for tests: `memory://` is a new, empty store at every open;
+    /// `memory://NAME` is one store per name, shared by every open in the process.
+    Memory {
+        /// The shared store's name, if any.
+        name: Option<String>,
+    },
 }
 
 impl StoreUri {
@@ -47,7 +51,9 @@ impl StoreUri {
                     return Err(invalid("file:// URIs take no query options"));
                 }
                 if rest.is_empty() {
-                    return Err(invalid("file:// needs a directory, e.g. file:///var/lib/stillpoint"));
+                    return Err(invalid(
+                        "file:// needs a directory, e.g. file:///var/lib/stillpoint",
+                    ));
                 }
                 let path = PathBuf::from(rest);
                 let root = if path.is_absolute() {
@@ -60,22 +66,29 @@ impl StoreUri {
                 Ok(Self::File { root })
             }
             "memory" => {
-                if !rest.is_empty() && rest != "/" {
-                    return Err(invalid("memory:// takes no path"));
+                let name = rest.trim_end_matches('/');
+                if name.contains(['/', '?']) {
+                    return Err(invalid("memory:// takes at most a name: memory://NAME"));
                 }
-                Ok(Self::Memory)
+                Ok(Self::Memory {
+                    name: (!name.is_empty()).then(|| name.to_owned()),
+                })
             }
             "s3" => {
                 let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
                 if bucket.is_empty() {
-                    return Err(invalid("s3:// needs a bucket, e.g. s3://my-bucket/jobs/wordcount"));
+                    return Err(invalid(
+                        "s3:// needs a bucket, e.g. s3://my-bucket/jobs/wordcount",
+                    ));
                 }
                 if !bucket
                     .bytes()
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
                 {
-                    return Err(invalid("bucket names are lowercase letters, digits, '-' and '.'"));
+                    return Err(invalid(
+                        "bucket names are lowercase letters, digits, '-' and '.'",
+                    ));
                 }
                 let mut endpoint = None;
                 let mut region = None;
@@ -131,7 +144,7 @@ impl std::fmt::Display for StoreUri {
                 }
                 Ok(())
             }
-            Self::Memory => f.write_str("memory://"),
+            Self::Memory { name } => write!(f, "memory://{}", name.as_deref().unwrap_or("")),
         }
     }
 }
@@ -291,7 +304,13 @@ mod tests {
                 root: "/var/lib/sp".into(),
             }),
         );
-        check("memory://", Ok(StoreUri::Memory));
+        check("memory://", Ok(StoreUri::Memory { name: None }));
+        check(
+            "memory://shared",
+            Ok(StoreUri::Memory {
+                name: Some("shared".into()),
+            }),
+        );
         check(
             "s3://bucket/jobs/wc/?endpoint=http://127.0.0.1:8333&region=us-east-1",
             Ok(StoreUri::S3 {
@@ -313,7 +332,7 @@ mod tests {
         check("/tmp/x", Err("expected SCHEME://"));
         check("ftp://x", Err("unknown scheme \"ftp\""));
         check("file://", Err("needs a directory"));
-        check("memory://x", Err("takes no path"));
+        check("memory://x/y", Err("at most a name"));
         check("s3:///prefix", Err("needs a bucket"));
         check("s3://Bucket", Err("lowercase"));
         check("s3://b?secret_access_key=x", Err("do not belong in a URI"));

@@ -1,6 +1,14 @@
 //! Shared helpers of the store's integration tests: local snapshot fixtures, commits,
 //! and a real S3-compatible server (SeaweedFS) for the S3 tests.
-#![allow(dead_code, unreachable_pub, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::cast_possible_truncation,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 pub mod s3;
 
@@ -14,6 +22,104 @@ use stillpoint_wire::{
     RelativePath, Sha256Digest, SnapshotFile, SnapshotManifest, SourceOffset, SourcePosition,
     StreamId, TaskId, TransId,
 };
+
+/// Which store a contract case runs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    File,
+    Memory,
+    S3,
+}
+
+static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// One case's world: a local scratch directory and stores of one backend, each name
+/// its own store (re-opening a name reaches the same objects).
+pub struct Env {
+    pub backend: Backend,
+    pub dir: tempfile::TempDir,
+    namespace: String,
+}
+
+impl Env {
+    pub fn new(backend: Backend) -> Self {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self {
+            backend,
+            dir: tempfile::tempdir().unwrap(),
+            namespace: format!("case-{}-{n}", std::process::id()),
+        }
+    }
+
+    /// The scratch directory.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Opens store `name` with `options`.
+    pub fn store(&self, name: &str, options: StoreOptions) -> Store {
+        match self.backend {
+            Backend::File => file_store(&self.dir.path().join("stores").join(name), options),
+            Backend::Memory => {
+                Store::open(&format!("memory://{}-{name}", self.namespace), options).unwrap()
+            }
+            Backend::S3 => {
+                let options = StoreOptions {
+                    s3_credentials: options.s3_credentials.clone().or(Some(
+                        stillpoint_backup::S3Credentials {
+                            access_key_id: s3::ACCESS_KEY.into(),
+                            secret_access_key: s3::SECRET_KEY.into(),
+                            session_token: None,
+                        },
+                    )),
+                    ..options
+                };
+                Store::open(
+                    &format!(
+                        "s3://{}/{}/{name}?endpoint={}&region=us-east-1",
+                        s3::BUCKET,
+                        self.namespace,
+                        s3::ENDPOINT
+                    ),
+                    options,
+                )
+                .unwrap()
+            }
+        }
+    }
+}
+
+/// Every object path of a store under `prefix`, bypassing the store's API.
+pub async fn raw_list(store: &Store, prefix: &str) -> Vec<String> {
+    let mut paths: Vec<String> = store
+        .raw_operator()
+        .list_with(prefix)
+        .recursive(true)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.metadata().is_file())
+        .map(|e| e.path().to_owned())
+        .filter(|p| !p.starts_with(".tmp/"))
+        .collect();
+    paths.sort();
+    paths
+}
+
+/// An object's stored bytes, bypassing decryption and checks.
+pub async fn raw_read(store: &Store, path: &str) -> Vec<u8> {
+    store.raw_operator().read(path).await.unwrap().to_vec()
+}
+
+/// Overwrites an object's stored bytes.
+pub async fn raw_write(store: &Store, path: &str, bytes: Vec<u8>) {
+    store.raw_operator().write(path, bytes).await.unwrap();
+}
+
+/// Deletes an object.
+pub async fn raw_delete(store: &Store, path: &str) {
+    store.raw_operator().delete(path).await.unwrap();
+}
 
 /// A tokio runtime for one test.
 pub fn runtime() -> tokio::runtime::Runtime {
@@ -142,7 +248,10 @@ pub async fn checkpoint_with(
         .await
         .unwrap();
     store
-        .commit(&checkpoint_manifest(id, kind, std::slice::from_ref(&uploaded)), lease)
+        .commit(
+            &checkpoint_manifest(id, kind, std::slice::from_ref(&uploaded)),
+            lease,
+        )
         .await
         .unwrap();
     (manifest, uploaded)

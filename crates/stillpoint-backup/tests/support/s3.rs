@@ -67,7 +67,10 @@ impl S3Server {
         let server = Self { child, _data: data };
         let deadline = Instant::now() + Duration::from_secs(60);
         while TcpStream::connect("127.0.0.1:8333").is_err() {
-            assert!(Instant::now() < deadline, "SeaweedFS did not open its S3 port within 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "SeaweedFS did not open its S3 port within 60 s"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         server
