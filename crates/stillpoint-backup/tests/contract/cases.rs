@@ -2,7 +2,7 @@
 //! server (`tests/contract.rs`, `tests/s3.rs`), reaching objects directly only
 //! through the raw operator to damage them.
 
-#![allow(unreachable_pub)]
+#![allow(unreachable_pub, clippy::cast_possible_truncation)]
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
