@@ -189,6 +189,18 @@ impl StoreError {
         }
     }
 
+    /// Whether the store (or the local disk) could not be reached or read, as opposed
+    /// to an object that was read and found missing, corrupt or undecryptable.
+    ///
+    /// Decisions about checkpoints hinge on this: an unavailable store must never make
+    /// a checkpoint look corrupt (recovery would fall back to an older one for
+    /// nothing), so listing and verification stop and return such errors. Errors
+    /// whose retries ran out are unavailable even though no longer temporary.
+    #[must_use]
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Backend { .. } | Self::Local { .. })
+    }
+
     /// Whether the error says that an object does not exist.
     #[must_use]
     pub fn is_not_found(&self) -> bool {

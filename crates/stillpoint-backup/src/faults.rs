@@ -26,6 +26,54 @@ pub struct FaultConfig {
     pub seed: u64,
     /// A shared counter of injected failures (for tests that assert they happened).
     pub injected: Arc<AtomicU64>,
+    /// Which operations may fail (default: all of them).
+    pub operations: FaultOperations,
+}
+
+/// The operations a [`FaultConfig`] may fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultOperations {
+    /// Metadata lookups.
+    pub stat: bool,
+    /// Reads.
+    pub read: bool,
+    /// Writes (they fail at close, before the object becomes visible).
+    pub write: bool,
+    /// Listings.
+    pub list: bool,
+    /// Deletes.
+    pub delete: bool,
+}
+
+impl FaultOperations {
+    /// Every operation.
+    pub const ALL: Self = Self {
+        stat: true,
+        read: true,
+        write: true,
+        list: true,
+        delete: true,
+    };
+
+    /// Reads only.
+    pub const READS: Self = Self {
+        stat: false,
+        read: true,
+        write: false,
+        list: false,
+        delete: false,
+    };
+
+    fn includes(self, operation: &str) -> bool {
+        match operation {
+            "stat" => self.stat,
+            "read" => self.read,
+            "write" => self.write,
+            "list" => self.list,
+            "delete" => self.delete,
+            _ => false,
+        }
+    }
 }
 
 impl FaultConfig {
@@ -36,6 +84,7 @@ impl FaultConfig {
             error_ratio,
             seed,
             injected: Arc::new(AtomicU64::new(0)),
+            operations: FaultOperations::ALL,
         }
     }
 
@@ -57,10 +106,14 @@ struct Dice {
     rng: Mutex<StdRng>,
     ratio: f64,
     injected: Arc<AtomicU64>,
+    operations: FaultOperations,
 }
 
 impl Dice {
     fn roll(&self, operation: &'static str, path: &str) -> Result<()> {
+        if !self.operations.includes(operation) {
+            return Ok(());
+        }
         // A poisoned lock only means another roll panicked; the generator is intact.
         let mut rng = self
             .rng
@@ -84,6 +137,7 @@ impl FaultLayer {
                 rng: Mutex::new(StdRng::seed_from_u64(config.seed)),
                 ratio: config.error_ratio.clamp(0.0, 1.0),
                 injected: Arc::clone(&config.injected),
+                operations: config.operations,
             }),
         }
     }

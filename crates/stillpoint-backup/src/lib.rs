@@ -66,7 +66,7 @@ mod uri;
 
 pub use crypto::{EncryptionKey, KEY_ENV};
 pub use error::StoreError;
-pub use faults::FaultConfig;
+pub use faults::{FaultConfig, FaultOperations};
 pub use gc::{GcBackoff, GcPlan, GcReport, Retention};
 pub use journal::{Journal, JournalConfig, Resumed};
 pub use lease::{Clock, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock, lease_holder};

@@ -607,7 +607,7 @@ impl Store {
             let status = if committed {
                 match self.checkpoint(id).await {
                     Ok(manifest) => ListingStatus::Committed(manifest),
-                    Err(error) if error.is_temporary() => return Err(error),
+                    Err(error) if error.is_unavailable() => return Err(error),
                     Err(error) => ListingStatus::Corrupt(error),
                 }
             } else {
@@ -657,7 +657,7 @@ impl Store {
         for id in self.committed_ids().await?.into_iter().rev() {
             match self.checkpoint(id).await {
                 Ok(manifest) => return Ok(Some(manifest)),
-                Err(e) if e.is_temporary() => return Err(e),
+                Err(e) if e.is_unavailable() => return Err(e),
                 Err(e) => {
                     tracing::warn!(checkpoint = %id, error = %e, "skipping a corrupt checkpoint")
                 }
@@ -716,7 +716,7 @@ impl Store {
         };
         let manifest = match self.checkpoint(id).await {
             Ok(manifest) => manifest,
-            Err(error) if error.is_temporary() => return Err(error),
+            Err(error) if error.is_unavailable() => return Err(error),
             Err(error) => {
                 report.problems.push(Problem {
                     object: layout::commit_object(id),
@@ -732,7 +732,7 @@ impl Store {
         for task in &manifest.tasks {
             match self.task_manifest(task).await {
                 Ok(snapshot) => snapshots.push(snapshot),
-                Err(error) if error.is_temporary() => return Err(error),
+                Err(error) if error.is_unavailable() => return Err(error),
                 Err(error) => report.problems.push(Problem {
                     object: task.manifest.as_str().to_owned(),
                     file: None,
@@ -778,7 +778,7 @@ impl Store {
             report.bytes_checked += size;
             match outcome {
                 Ok(()) => {}
-                Err(error) if error.is_temporary() => return Err(error),
+                Err(error) if error.is_unavailable() => return Err(error),
                 Err(error) => report.problems.push(Problem {
                     object,
                     file: Some(file),
@@ -1250,4 +1250,51 @@ fn shared_memory(name: &str) -> opendal::Result<Operator> {
 #[must_use]
 pub fn task_manifest_path(id: CheckpointId, task: stillpoint_wire::TaskId) -> RelativePath {
     layout::task_manifest(id, task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FaultConfig;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn deletes_give_up_after_the_failure_bound_and_report_the_first() {
+        runtime().block_on(async {
+            let options = StoreOptions {
+                faults: Some(FaultConfig::new(1.0, 1)),
+                retry: crate::RetryPolicy {
+                    max_retries: 0,
+                    ..crate::RetryPolicy::default()
+                },
+                ..StoreOptions::default()
+            };
+            let store = Store::open("memory://", options).unwrap();
+            let paths: Vec<String> = (0..20).map(|i| format!("shared/x/{i}")).collect();
+            let error = store.delete_all(paths, 3).await.unwrap_err();
+            let StoreError::TooManyDeleteFailures { failed, first } = error else {
+                panic!("{error}");
+            };
+            assert_eq!(failed, 3);
+            assert!(first.is_unavailable(), "{first}");
+        });
+    }
+
+    #[test]
+    fn deleting_what_does_not_exist_succeeds() {
+        runtime().block_on(async {
+            let store = Store::open("memory://", StoreOptions::default()).unwrap();
+            let deleted = store
+                .delete_all(vec!["a".into(), "b/c".into()], 1)
+                .await
+                .unwrap();
+            assert_eq!(deleted, 2);
+        });
+    }
 }

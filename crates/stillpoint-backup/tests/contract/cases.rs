@@ -10,9 +10,9 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 use stillpoint_backup::journal::{self, JournalFile, JournalFileKind};
 use stillpoint_backup::{
-    EncryptionKey, FaultConfig, Journal, JournalConfig, Lease, ListingStatus, ManualClock, Resumed,
-    Retention, RetryPolicy, Store, StoreError, StoreOptions, SystemClock, TransferEvent,
-    VerifyDepth, gc, lease_holder, restore_checkpoint,
+    EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, ListingStatus,
+    ManualClock, Resumed, Retention, RetryPolicy, Store, StoreError, StoreOptions, SystemClock,
+    TransferEvent, VerifyDepth, gc, lease_holder, restore_checkpoint,
 };
 use stillpoint_wire::{CheckpointId, CheckpointKind, NodeId, TaskId};
 
@@ -22,6 +22,7 @@ use crate::support::*;
 macro_rules! contract_cases {
     ($m:ident) => {
         $m!(
+            an_unreadable_store_never_makes_a_checkpoint_look_corrupt,
             upload_is_incremental_and_a_committed_checkpoint_round_trips,
             an_unfinished_checkpoint_is_never_listed_as_complete,
             a_local_file_that_changed_after_its_manifest_is_not_uploaded,
@@ -850,7 +851,7 @@ pub async fn checkpoints_complete_on_a_store_failing_a_fifth_of_its_operations(e
         match Lease::acquire_job(&store, quick_lease("flaky"), clock.clone()).await {
             Ok(lease) => break lease,
             Err(e) => assert!(
-                e.is_temporary() || matches!(e, StoreError::LeaseHeld { .. }),
+                e.is_unavailable() || matches!(e, StoreError::LeaseHeld { .. }),
                 "{e}"
             ),
         }
@@ -882,7 +883,10 @@ pub async fn checkpoints_complete_on_a_store_failing_a_fifth_of_its_operations(e
         .await;
         match outcome {
             Ok(()) => committed += 1,
-            Err(e) => assert!(e.is_temporary() || e.is_not_found(), "checkpoint {id}: {e}"),
+            Err(e) => assert!(
+                e.is_unavailable() || e.is_not_found(),
+                "checkpoint {id}: {e}"
+            ),
         }
         previous = Some(manifest);
     }
@@ -936,11 +940,6 @@ fn config(flush_ms: u64) -> JournalConfig {
 
 type Backup = Journal<u32, Range, Checksum>;
 
-async fn files(store: &Store, name: &str) -> usize {
-    let resumed: Resumed<u32, Range, Checksum> = journal::resume(store, name).await.unwrap();
-    resumed.records.values().map(Vec::len).sum()
-}
-
 pub async fn records_flush_on_their_interval_and_resume_across_runs_with_elapsed_time(env: &Env) {
     let store = env.store("store", StoreOptions::default());
     let clock: Arc<dyn stillpoint_backup::Clock> = Arc::new(SystemClock);
@@ -964,18 +963,33 @@ pub async fn records_flush_on_their_interval_and_resume_across_runs_with_elapsed
     )
     .await
     .unwrap();
-    // The background loop flushes without being asked (bounded wait).
+    // The background loop flushes records and summaries without being asked
+    // (bounded wait).
     let mut waited = 0;
-    while files(&store, "backup/job-1").await < 2 {
+    loop {
+        let seen: Resumed<u32, Range, Checksum> =
+            journal::resume(&store, "backup/job-1").await.unwrap();
+        if seen.records.values().map(Vec::len).sum::<usize>() == 2 && !seen.summaries.is_empty() {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
         waited += 1;
         assert!(waited < 500, "no interval flush within 5 s");
     }
     run1.append(2, vec![range(2)]).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    run1.finish(true).await.unwrap();
     // Finishing without flush drops what is pending, as the seed's runner does.
-    run1.append(3, vec![range(3)]).await.unwrap();
-    run1.finish(false).await.unwrap();
+    let dropped: Backup = Journal::start(
+        &store,
+        "backup/job-1",
+        config(60_000),
+        clock.clone(),
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    dropped.append(3, vec![range(3)]).await.unwrap();
+    dropped.finish(false).await.unwrap();
 
     let resumed: Resumed<u32, Range, Checksum> =
         journal::resume(&store, "backup/job-1").await.unwrap();
@@ -1254,4 +1268,57 @@ pub async fn an_interrupted_restore_resumes_trusting_what_its_journal_recorded(e
         .await,
         Err(StoreError::NoSuchCheckpoint(CheckpointId(9)))
     ));
+}
+
+pub async fn an_unreadable_store_never_makes_a_checkpoint_look_corrupt(env: &Env) {
+    let store = env.store("store", StoreOptions::default());
+    let clock = Arc::new(ManualClock::new(1_000));
+    let lease = job_lease(&store, "test", &clock).await;
+    checkpoint_with(
+        &store,
+        &lease,
+        env.path(),
+        CheckpointId(1),
+        CheckpointKind::Checkpoint,
+        &[("a.sst", sst(1, 100))],
+        None,
+    )
+    .await;
+    // Every read fails (retries included): listing works, reading does not.
+    let faults = FaultConfig {
+        operations: FaultOperations::READS,
+        ..FaultConfig::new(1.0, 5)
+    };
+    let failing = env.store(
+        "store",
+        StoreOptions {
+            faults: Some(faults),
+            retry: RetryPolicy {
+                max_retries: 1,
+                min_delay: Duration::from_millis(1),
+                max_delay: Duration::from_millis(1),
+            },
+            ..StoreOptions::default()
+        },
+    );
+    for outcome in [
+        failing.checkpoints().await.map(|_| ()),
+        failing.latest().await.map(|_| ()),
+        failing
+            .latest_verified(VerifyDepth::Presence)
+            .await
+            .map(|_| ()),
+        failing
+            .verify(CheckpointId(1), VerifyDepth::Content, &())
+            .await
+            .map(|_| ()),
+    ] {
+        let error = outcome.unwrap_err();
+        assert!(error.is_unavailable(), "{error}");
+    }
+    // Read back without faults, the checkpoint is intact.
+    assert_eq!(
+        store.latest().await.unwrap().unwrap().checkpoint,
+        CheckpointId(1)
+    );
 }
