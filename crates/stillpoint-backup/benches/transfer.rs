@@ -169,14 +169,14 @@ fn figures() {
     }
     let gib_per_s = |secs: f64| total as f64 / secs / (1u64 << 30) as f64;
     println!(
-        "FIGURE backup.upload_vs_copy = {:.2} ratio goal >= 0.8 (upload of {mib} MiB in {FILES} files to file:// ÷ std::fs::copy, median of 3; copy {:.2} GiB/s, copy+fsync {:.2} GiB/s, upload {:.2} GiB/s incl. SHA-256 and fsync)",
+        "FIGURE backup.upload_vs_copy = {:.2} ratio goal >= 0.8 (upload of {mib} MiB in {FILES} files to file:// ÷ std::fs::copy, median of 3; copy {:.2} GiB/s, copy+fsync {:.2} GiB/s, upload {:.2} GiB/s: SSTs are SHA-256-checked and hard-linked, the directory fsynced)",
         median(upload_ratios),
         gib_per_s(median(copies)),
         gib_per_s(median(synced)),
         gib_per_s(median(uploads)),
     );
     println!(
-        "FIGURE backup.download_vs_copy = {:.2} ratio goal >= 0.8 (verified restore download of {mib} MiB ÷ std::fs::copy, median of 3)",
+        "FIGURE backup.download_vs_copy = {:.2} ratio goal >= 0.8 (verified restore download of {mib} MiB ÷ std::fs::copy, median of 3; every byte SHA-256-checked, no fsync: the store is the durable copy)",
         median(download_ratios)
     );
 

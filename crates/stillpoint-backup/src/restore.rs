@@ -1,7 +1,6 @@
 //! Restore of a whole checkpoint to a local directory: parallel, verified, and
 //! resumable through a progress journal in the store.
 
-use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -15,9 +14,11 @@ use crate::{DownloadReport, Progress, Store, StoreError, layout};
 /// global manifest to `dir/_checkpoint.json`.
 ///
 /// Each finished file is recorded in the journal `restore/<id>`; a restore that was
-/// interrupted resumes from it, trusting recorded files whose size still matches and
-/// re-hashing (and keeping, when they match) any other local file. Every downloaded
-/// byte is checked against its SHA-256. The journal is removed once the restore is
+/// interrupted resumes from it: local files that already hash to their manifest's
+/// digest are kept, so only what is missing or damaged moves again. Every downloaded
+/// byte is checked against its SHA-256, and no local file is ever trusted unhashed (a
+/// crash may leave a restored file short: restored files are not fsynced, the store
+/// is the durable copy). The journal is removed once the restore is
 /// complete; on failure it is flushed so that the next attempt resumes.
 pub async fn restore_checkpoint(
     store: &Store,
@@ -44,14 +45,9 @@ pub async fn restore_checkpoint(
         let mut total = DownloadReport::default();
         for task in &manifest.tasks {
             let snapshot = store.task_manifest(task).await?;
-            let trusted: HashSet<String> = resumed
-                .records
-                .get(&task.task.get())
-                .map(|paths| paths.iter().cloned().collect())
-                .unwrap_or_default();
             let target = dir.join(format!("task-{}", task.task.get()));
             let report = store
-                .download_snapshot_with(&snapshot, &target, progress, &trusted, Some(&journal))
+                .download_snapshot_with(&snapshot, &target, progress, Some(&journal))
                 .await?;
             total.files_downloaded += report.files_downloaded;
             total.bytes_downloaded += report.bytes_downloaded;

@@ -481,6 +481,17 @@ impl Store {
                 problem: format!("{} bytes, manifest says {}", meta.len(), file.size),
             });
         }
+        if let Some(target) = self.linkable(&file.path, &object) {
+            match link_verified(local.clone(), target, file.sha256).await {
+                Ok(()) => {
+                    self.remember(file.sha256);
+                    return Ok(true);
+                }
+                Err(error @ StoreError::LocalMismatch { .. }) => return Err(error),
+                // Another file system, or links unsupported: copy instead.
+                Err(error) => tracing::debug!(%error, "hard link into the store failed; copying"),
+            }
+        }
         let part = self.inner.options.part_size;
         if self.is_encrypted() || file.size <= part as u64 {
             let plain = tokio::fs::read(&local)
@@ -864,19 +875,17 @@ impl Store {
         dir: &Path,
         progress: &dyn Progress,
     ) -> Result<DownloadReport, StoreError> {
-        self.download_snapshot_with(manifest, dir, progress, &HashSet::new(), None)
+        self.download_snapshot_with(manifest, dir, progress, None)
             .await
     }
 
-    /// [`Store::download_snapshot`], trusting local files in `trusted` whose size
-    /// matches (a journal recorded them verified) and recording each finished file in
-    /// `journal` (group: task id, item: the file's path).
+    /// [`Store::download_snapshot`], recording each finished file in `journal`
+    /// (group: task id, item: the file's path).
     pub(crate) async fn download_snapshot_with(
         &self,
         manifest: &SnapshotManifest,
         dir: &Path,
         progress: &dyn Progress,
-        trusted: &HashSet<String>,
         journal: Option<&crate::Journal<u32, String>>,
     ) -> Result<DownloadReport, StoreError> {
         tokio::fs::create_dir_all(dir)
@@ -890,14 +899,7 @@ impl Store {
         let mut report = DownloadReport::default();
         let mut done = futures::stream::iter(&manifest.files)
             .map(|file| async move {
-                let dest = dir.join(file.path.as_str());
-                let moved = if trusted.contains(file.path.as_str())
-                    && local_size(&dest).await? == Some(file.size)
-                {
-                    false
-                } else {
-                    self.download_file(file, dir).await?
-                };
+                let moved = self.download_file(file, dir).await?;
                 Ok::<_, StoreError>((file, moved))
             })
             .buffer_unordered(self.inner.options.parallelism);
@@ -939,7 +941,12 @@ impl Store {
         }
         let object = layout::shared_object(&file.sha256);
         let partial = partial_path(&dest);
-        let result = self.fetch_into(&object, file, &partial).await;
+        let result = match self.local_object(&object) {
+            Some(source) => {
+                copy_verified(source, object.clone(), file.clone(), partial.clone()).await
+            }
+            None => self.fetch_into(&object, file, &partial).await,
+        };
         if let Err(error) = result {
             // Best effort: a stale partial file is overwritten by the next attempt.
             let _removed = tokio::fs::remove_file(&partial).await;
@@ -949,6 +956,28 @@ impl Store {
             .await
             .map_err(|e| StoreError::local("rename", &partial, &e))?;
         Ok(true)
+    }
+
+    /// The store's path of `object` when a snapshot file may be hard-linked into the
+    /// store instead of copied: a `file://` store without encryption or fault
+    /// injection, and a file RocksDB never modifies after writing (and syncing) it —
+    /// SST and blob files. Downloads always copy, so a restored database never shares
+    /// an inode with the store.
+    fn linkable(&self, file: &RelativePath, object: &str) -> Option<PathBuf> {
+        let immutable = [".sst", ".blob"]
+            .iter()
+            .any(|suffix| file.file_name().ends_with(suffix));
+        self.local_object(object).filter(|_| immutable)
+    }
+
+    /// Where `object` lies on the local file system, when the store is a `file://`
+    /// store whose objects are stored as they are (no encryption, no fault injection).
+    fn local_object(&self, object: &str) -> Option<PathBuf> {
+        let StoreUri::File { root } = &self.inner.uri else {
+            return None;
+        };
+        (self.inner.cipher.is_none() && self.inner.options.faults.is_none())
+            .then(|| root.join(object))
     }
 
     async fn fetch_into(
@@ -1011,9 +1040,12 @@ impl Store {
                 problem: format!("SHA-256 is {digest}, manifest says {}", file.sha256),
             });
         }
-        out.sync_all()
+        // No fsync: a restored directory is a cache of the store. Every local file is
+        // hashed before it is reused, so a file a crash left short or empty is fetched
+        // again rather than trusted.
+        out.flush()
             .await
-            .map_err(|e| StoreError::local("sync", partial, &e))?;
+            .map_err(|e| StoreError::local("write", partial, &e))?;
         Ok(())
     }
 
@@ -1103,15 +1135,6 @@ fn partial_path(dest: &Path) -> PathBuf {
     dest.with_file_name(name)
 }
 
-async fn local_size(path: &Path) -> Result<Option<u64>, StoreError> {
-    match tokio::fs::metadata(path).await {
-        Ok(meta) if meta.is_file() => Ok(Some(meta.len())),
-        Ok(_) => Ok(None),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(StoreError::local("stat", path, &e)),
-    }
-}
-
 /// Whether a local file exists with the manifest's size and SHA-256.
 pub(crate) async fn local_matches(path: &Path, file: &SnapshotFile) -> Result<bool, StoreError> {
     match tokio::fs::metadata(path).await {
@@ -1130,6 +1153,79 @@ pub(crate) async fn local_matches(path: &Path, file: &SnapshotFile) -> Result<bo
             kind: std::io::ErrorKind::Other,
         })??;
     Ok(digest == file.sha256)
+}
+
+/// Copies a `file://` store's object to `partial` with the kernel's copy, then checks
+/// the copy's size and SHA-256 (hashing what was written, from the page cache).
+async fn copy_verified(
+    source: PathBuf,
+    object: String,
+    file: SnapshotFile,
+    partial: PathBuf,
+) -> Result<(), StoreError> {
+    tokio::task::spawn_blocking(move || {
+        let copied = match std::fs::copy(&source, &partial) {
+            Ok(copied) => copied,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !source.exists() => {
+                return Err(StoreError::NotFound { path: object });
+            }
+            Err(e) => return Err(StoreError::local("copy", &partial, &e)),
+        };
+        if copied != file.size {
+            return Err(StoreError::Corrupt {
+                path: object,
+                problem: format!("{copied} bytes, manifest says {}", file.size),
+            });
+        }
+        let digest = hash_file(&partial)?;
+        if digest != file.sha256 {
+            return Err(StoreError::Corrupt {
+                path: object,
+                problem: format!("SHA-256 is {digest}, manifest says {}", file.sha256),
+            });
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| StoreError::Local {
+        operation: "copy",
+        path: PathBuf::new(),
+        message: e.to_string(),
+        kind: std::io::ErrorKind::Other,
+    })?
+}
+
+/// Checks that `from` hashes to `digest`, hard-links it at `to` (creating `to`'s
+/// directory) and syncs that directory, so the new name survives a crash. An existing
+/// `to` is kept: the store is content-addressed, so it already holds the same bytes.
+async fn link_verified(from: PathBuf, to: PathBuf, digest: Sha256Digest) -> Result<(), StoreError> {
+    tokio::task::spawn_blocking(move || {
+        let computed = hash_file(&from)?;
+        if computed != digest {
+            return Err(StoreError::LocalMismatch {
+                path: from,
+                problem: format!("SHA-256 is {computed}, manifest says {digest}"),
+            });
+        }
+        let parent = to.parent().unwrap_or_else(|| Path::new("."));
+        std::fs::create_dir_all(parent)
+            .map_err(|e| StoreError::local("create directory", parent, &e))?;
+        match std::fs::hard_link(&from, &to) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+            Err(e) => return Err(StoreError::local("link", &to, &e)),
+        }
+        std::fs::File::open(parent)
+            .and_then(|dir| dir.sync_all())
+            .map_err(|e| StoreError::local("sync", parent, &e))
+    })
+    .await
+    .map_err(|e| StoreError::Local {
+        operation: "link",
+        path: PathBuf::new(),
+        message: e.to_string(),
+        kind: std::io::ErrorKind::Other,
+    })?
 }
 
 fn hash_file(path: &Path) -> Result<Sha256Digest, StoreError> {

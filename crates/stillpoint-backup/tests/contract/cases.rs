@@ -36,7 +36,7 @@ macro_rules! contract_cases {
             records_flush_on_their_interval_and_resume_across_runs_with_elapsed_time,
             corrupt_files_are_skipped_and_reported_and_a_wrong_key_is_an_error,
             the_first_background_error_is_returned_by_every_later_call,
-            an_interrupted_restore_resumes_trusting_what_its_journal_recorded
+            an_interrupted_restore_resumes_keeping_what_is_already_restored
         );
     };
 }
@@ -1187,7 +1187,7 @@ pub async fn the_first_background_error_is_returned_by_every_later_call(env: &En
     assert!(matches!(again, Err(StoreError::LeaseHeld { .. })));
 }
 
-pub async fn an_interrupted_restore_resumes_trusting_what_its_journal_recorded(env: &Env) {
+pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env: &Env) {
     let dir = env;
     let store = env.store("store", StoreOptions::default());
     let clock = Arc::new(ManualClock::new(1_000));
