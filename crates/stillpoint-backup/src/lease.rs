@@ -77,6 +77,11 @@ pub struct LeaseConfig {
     /// Who we are, shown to a writer that finds the lease held (default
     /// `HOSTNAME pid PID`).
     pub holder: String,
+    /// Take over an unexpired lease whose holder is exactly `holder` (default
+    /// false). For a process that restarts a job in-process after a crash of its own
+    /// earlier run: the earlier holder is known dead. The takeover still claims a new
+    /// owner id, so the dead run is fenced.
+    pub reclaim_own: bool,
 }
 
 impl Default for LeaseConfig {
@@ -94,6 +99,7 @@ impl Default for LeaseConfig {
             ttl: Duration::from_secs(60),
             settle: Duration::from_secs(1),
             holder: format!("{host} pid {}", std::process::id()),
+            reclaim_own: false,
         }
     }
 }
@@ -172,7 +178,8 @@ impl Lease {
         let now = clock.now_millis();
         let current = read_current(store, &scope).await?;
         if let Some(current) = &current {
-            if current.live_at(now) {
+            let own = config.reclaim_own && current.holder == config.holder;
+            if current.live_at(now) && !own {
                 return Err(held(current));
             }
         }

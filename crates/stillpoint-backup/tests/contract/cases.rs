@@ -10,9 +10,9 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 use stillpoint_backup::journal::{self, JournalFile, JournalFileKind};
 use stillpoint_backup::{
-    EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, ListingStatus,
-    ManualClock, Resumed, Retention, RetryPolicy, Store, StoreError, StoreOptions, SystemClock,
-    TransferEvent, VerifyDepth, gc, lease_holder, restore_checkpoint,
+    EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, LeaseConfig,
+    ListingStatus, ManualClock, Resumed, Retention, RetryPolicy, Store, StoreError, StoreOptions,
+    SystemClock, TransferEvent, VerifyDepth, gc, lease_holder, restore_checkpoint,
 };
 use stillpoint_wire::{CheckpointId, CheckpointKind, NodeId, TaskId};
 
@@ -609,6 +609,33 @@ pub async fn a_held_lease_is_refused_with_its_holder_and_expiry_and_taken_over_a
     assert!(lease_holder(&store, "lease/", now).await.unwrap().is_none());
     let third = job_lease(&store, "node-c", &clock).await;
     assert_eq!(third.owner(), 3);
+
+    // A process restarting its own crashed run reclaims its unexpired lease (only
+    // with `reclaim_own`, only for the very same holder) and fences the old run.
+    assert!(matches!(
+        Lease::acquire_job(&store, quick_lease("node-c"), clock.clone()).await,
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    let other = LeaseConfig {
+        reclaim_own: true,
+        ..quick_lease("node-d")
+    };
+    assert!(matches!(
+        Lease::acquire_job(&store, other, clock.clone()).await,
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    let own = LeaseConfig {
+        reclaim_own: true,
+        ..quick_lease("node-c")
+    };
+    let reclaimed = Lease::acquire_job(&store, own, clock.clone())
+        .await
+        .unwrap();
+    assert_eq!(reclaimed.owner(), 4);
+    assert!(matches!(
+        third.check().await,
+        Err(StoreError::LeaseLost { .. })
+    ));
 }
 
 trait Now {

@@ -221,6 +221,7 @@ pub fn quick_lease(holder: &str) -> LeaseConfig {
         ttl: Duration::from_secs(60),
         settle: Duration::ZERO,
         holder: holder.to_owned(),
+        reclaim_own: false,
     }
 }
 
