@@ -1,0 +1,534 @@
+//! One driver per task: feeds the task's state machine (stillpoint-task) and carries
+//! out its actions — processing records, blocking and reopening inputs, the
+//! synchronous snapshot, handing the export to a second thread, committing sinks.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Select, Sender};
+use stillpoint_backup::Store;
+use stillpoint_state::{CachedState, KeyGroups, SnapshotJob};
+use stillpoint_task::{TaskAction, TaskMachine, Time};
+use stillpoint_wire::{
+    CheckpointId, Data, Message, NodeId, SnapshotReport, SourceOffset, StreamId, TaskId,
+};
+
+use crate::record::{decode_batch, encode_batch};
+use crate::transport::{CoordinatorInput, Links};
+use crate::{EngineError, Operator, Record, Sink, Source, SourcePoll};
+
+/// What a task does with records.
+pub(crate) enum Role {
+    Source(Box<dyn Source>),
+    Operator(Box<dyn Operator>),
+    Sink(Box<dyn Sink>),
+}
+
+/// How a task spreads its output over its downstreams.
+#[derive(Clone, Debug)]
+pub(crate) enum Partitioner {
+    /// One downstream (or none).
+    Forward,
+    /// By key group: `owner[group]` indexes the downstream list.
+    KeyGroups {
+        groups: KeyGroups,
+        owner: Vec<usize>,
+    },
+}
+
+impl Partitioner {
+    /// Hash partitioning over `parallelism` downstreams owning contiguous key-group
+    /// ranges (as `KeyGroups::range_of` assigns them).
+    pub(crate) fn by_key_group(groups: KeyGroups, parallelism: u32) -> Result<Self, EngineError> {
+        let mut owner = vec![0usize; groups.max_parallelism() as usize];
+        for index in 0..parallelism {
+            let range = groups.range_of(parallelism, index)?;
+            for group in range.start..range.end {
+                if let Some(slot) = owner.get_mut(group as usize) {
+                    *slot = index as usize;
+                }
+            }
+        }
+        Ok(Self::KeyGroups { groups, owner })
+    }
+
+    fn target(&self, record: &Record) -> usize {
+        match self {
+            Self::Forward => 0,
+            Self::KeyGroups { groups, owner } => owner
+                .get(groups.of(&record.key) as usize)
+                .copied()
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// A synchronous snapshot handed to the export thread.
+pub(crate) struct ExportJob {
+    pub(crate) job: SnapshotJob,
+    pub(crate) checkpoint: CheckpointId,
+    pub(crate) source_offset: Option<SourceOffset>,
+    pub(crate) sync_micros: u64,
+    pub(crate) alignment_micros: u64,
+    pub(crate) started: Instant,
+}
+
+/// The export thread's verdict.
+pub(crate) enum ExportOutcome {
+    Done(CheckpointId, SnapshotReport),
+    Failed(CheckpointId, String),
+}
+
+/// Runs export jobs: the RocksDB write of the frozen set, flush, checkpoint and the
+/// upload, off the task's thread.
+pub(crate) fn export_loop(
+    jobs: Receiver<ExportJob>,
+    results: Sender<ExportOutcome>,
+    store: Store,
+    runtime: tokio::runtime::Handle,
+    node: NodeId,
+) {
+    for job in jobs {
+        let checkpoint = job.checkpoint;
+        let outcome = (|| -> Result<SnapshotReport, EngineError> {
+            let exported = job.job.run()?;
+            let uploaded = runtime.block_on(store.upload_snapshot(
+                &exported.dir,
+                &exported.manifest,
+                node,
+                &(),
+            ))?;
+            Ok(SnapshotReport {
+                manifest: uploaded.reference.manifest,
+                manifest_sha256: uploaded.reference.sha256,
+                state_bytes: uploaded.state_bytes,
+                uploaded_bytes: uploaded.bytes_uploaded,
+                files: u32::try_from(exported.manifest.files.len()).unwrap_or(u32::MAX),
+                uploaded_files: u32::try_from(uploaded.files_uploaded).unwrap_or(u32::MAX),
+                alignment_micros: job.alignment_micros,
+                sync_micros: job.sync_micros,
+                async_micros: micros(job.started.elapsed()),
+                source_offset: job.source_offset,
+            })
+        })();
+        let verdict = match outcome {
+            Ok(report) => ExportOutcome::Done(checkpoint, report),
+            Err(error) => {
+                tracing::warn!(%checkpoint, %error, "snapshot export failed");
+                ExportOutcome::Failed(checkpoint, error.to_string())
+            }
+        };
+        if results.send(verdict).is_err() {
+            return;
+        }
+    }
+}
+
+fn micros(elapsed: Duration) -> u64 {
+    u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// What one wait for input produced.
+enum Got {
+    Control(Message),
+    Export(ExportOutcome),
+    Data(Message),
+}
+
+/// Everything one task's thread owns.
+pub(crate) struct TaskDriver {
+    pub(crate) stream: StreamId,
+    pub(crate) task: TaskId,
+    pub(crate) machine: TaskMachine,
+    pub(crate) role: Role,
+    pub(crate) state: CachedState,
+    pub(crate) inputs: Vec<(TaskId, Receiver<Message>)>,
+    pub(crate) control: Receiver<Message>,
+    pub(crate) exports: Sender<ExportJob>,
+    pub(crate) exported: Receiver<ExportOutcome>,
+    pub(crate) links: Links,
+    pub(crate) downstreams: Vec<TaskId>,
+    pub(crate) partitioner: Partitioner,
+    pub(crate) snapshots: PathBuf,
+    pub(crate) epoch: Instant,
+    pub(crate) batch: usize,
+    blocked: BTreeSet<TaskId>,
+    queued_barriers: VecDeque<CheckpointId>,
+    aligning_since: Option<Instant>,
+    finished_reported: bool,
+}
+
+impl TaskDriver {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        stream: StreamId,
+        task: TaskId,
+        machine: TaskMachine,
+        role: Role,
+        state: CachedState,
+        inputs: Vec<(TaskId, Receiver<Message>)>,
+        control: Receiver<Message>,
+        exports: Sender<ExportJob>,
+        exported: Receiver<ExportOutcome>,
+        links: Links,
+        downstreams: Vec<TaskId>,
+        partitioner: Partitioner,
+        snapshots: PathBuf,
+        epoch: Instant,
+    ) -> Self {
+        Self {
+            stream,
+            task,
+            machine,
+            role,
+            state,
+            inputs,
+            control,
+            exports,
+            exported,
+            links,
+            downstreams,
+            partitioner,
+            snapshots,
+            epoch,
+            batch: 256,
+            blocked: BTreeSet::new(),
+            queued_barriers: VecDeque::new(),
+            aligning_since: None,
+            finished_reported: false,
+        }
+    }
+
+    fn now(&self) -> Time {
+        Time::from_duration(self.epoch.elapsed())
+    }
+
+    /// The task's loop, until the job stops or crashes.
+    pub(crate) fn run(mut self) -> Result<(), EngineError> {
+        let span = tracing::info_span!("task", task = %self.task);
+        let _entered = span.enter();
+        // A restored task first commits what its checkpoint covers.
+        self.apply_actions()?;
+        loop {
+            if self.links.signals.crashed() {
+                return Err(EngineError::Crashed(format!(
+                    "{} stopped mid-flight",
+                    self.task
+                )));
+            }
+            if self.links.signals.stopping() {
+                // The coordinator sends the final `CheckpointComplete` before it stops
+                // the job: carry it out (the sinks publish) before leaving.
+                self.drain_control()?;
+                self.machine.handle_stop(self.now());
+                return Ok(());
+            }
+            self.drain_control()?;
+            self.drain_exports()?;
+            let now = self.now();
+            if self.machine.poll_timeout().is_some_and(|t| t <= now) {
+                self.machine.handle_timeout(now);
+                self.apply_actions()?;
+            }
+            let step = if matches!(self.role, Role::Source(_)) {
+                self.source_step()
+            } else {
+                self.wait_for_input()
+            };
+            match step {
+                // When the job stops, upstream tasks leave first and their channels
+                // close: that is the stop, not a failure — go round to carry out the
+                // last control messages.
+                Err(EngineError::Stopped(_)) if self.links.signals.stopping() => {}
+                other => other?,
+            }
+        }
+    }
+
+    fn drain_control(&mut self) -> Result<(), EngineError> {
+        while let Ok(message) = self.control.try_recv() {
+            self.on_control(&message)?;
+        }
+        Ok(())
+    }
+
+    fn on_control(&mut self, message: &Message) -> Result<(), EngineError> {
+        if let Err(error) = self.machine.handle_message(self.now(), message) {
+            tracing::warn!(%error, "message refused");
+        }
+        self.apply_actions()
+    }
+
+    fn drain_exports(&mut self) -> Result<(), EngineError> {
+        while let Ok(outcome) = self.exported.try_recv() {
+            self.on_export(outcome)?;
+        }
+        Ok(())
+    }
+
+    fn on_export(&mut self, outcome: ExportOutcome) -> Result<(), EngineError> {
+        let now = self.now();
+        match outcome {
+            ExportOutcome::Done(checkpoint, report) => {
+                self.machine
+                    .handle_snapshot_exported(now, checkpoint, report);
+            }
+            ExportOutcome::Failed(checkpoint, reason) => {
+                self.machine
+                    .handle_snapshot_failed(now, checkpoint, &reason);
+            }
+        }
+        self.apply_actions()
+    }
+
+    fn source_step(&mut self) -> Result<(), EngineError> {
+        if let Some(checkpoint) = self.queued_barriers.pop_front() {
+            // Every record read so far has been processed and sent: the barrier is
+            // behind all accepted input.
+            self.machine.handle_source_barrier(self.now(), checkpoint);
+            return self.apply_actions();
+        }
+        let Role::Source(source) = &mut self.role else {
+            return Ok(());
+        };
+        let mut records = Vec::with_capacity(self.batch);
+        match source.poll(self.batch, &mut records)? {
+            SourcePoll::Records => self.emit(records),
+            SourcePoll::Idle => self.idle(Duration::from_millis(1)),
+            SourcePoll::Finished => {
+                if !self.finished_reported {
+                    self.finished_reported = true;
+                    let offset = source.offset();
+                    let _closed = self
+                        .links
+                        .coordinator
+                        .send(CoordinatorInput::SourceFinished {
+                            task: self.task,
+                            offset,
+                        });
+                }
+                self.idle(Duration::from_millis(5))
+            }
+        }
+    }
+
+    /// Waits for control traffic, an export result or a timeout.
+    fn idle(&mut self, at_most: Duration) -> Result<(), EngineError> {
+        let wait = self.timeout_within(at_most);
+        crossbeam_channel::select! {
+            recv(self.control) -> message => match message {
+                Ok(message) => self.on_control(&message),
+                Err(_) => Err(EngineError::Stopped(format!("the control channel of {}", self.task))),
+            },
+            recv(self.exported) -> outcome => match outcome {
+                Ok(outcome) => self.on_export(outcome),
+                Err(_) => Err(EngineError::Stopped(format!("the export thread of {}", self.task))),
+            },
+            default(wait) => Ok(()),
+        }
+    }
+
+    fn timeout_within(&self, at_most: Duration) -> Duration {
+        let now = self.now();
+        self.machine
+            .poll_timeout()
+            .map_or(at_most, |t| t.saturating_since(now).min(at_most))
+    }
+
+    fn wait_for_input(&mut self) -> Result<(), EngineError> {
+        let wait = self.timeout_within(Duration::from_millis(20));
+        let open: Vec<usize> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(_, (upstream, _))| !self.blocked.contains(upstream))
+            .map(|(i, _)| i)
+            .collect();
+        let got = {
+            let mut select = Select::new();
+            let control = select.recv(&self.control);
+            let exported = select.recv(&self.exported);
+            let mut data = BTreeMap::new();
+            for &i in &open {
+                if let Some((_, rx)) = self.inputs.get(i) {
+                    data.insert(select.recv(rx), i);
+                }
+            }
+            let Ok(operation) = select.select_timeout(wait) else {
+                return Ok(());
+            };
+            let index = operation.index();
+            if index == control {
+                Got::Control(operation.recv(&self.control).map_err(|_| {
+                    EngineError::Stopped(format!("the control channel of {}", self.task))
+                })?)
+            } else if index == exported {
+                Got::Export(operation.recv(&self.exported).map_err(|_| {
+                    EngineError::Stopped(format!("the export thread of {}", self.task))
+                })?)
+            } else {
+                let Some((upstream, rx)) = data.get(&index).and_then(|i| self.inputs.get(*i))
+                else {
+                    return Ok(());
+                };
+                let upstream = *upstream;
+                Got::Data(operation.recv(rx).map_err(|_| {
+                    EngineError::Stopped(format!("the data channel from {upstream}"))
+                })?)
+            }
+        };
+        let message = match got {
+            Got::Control(message) => return self.on_control(&message),
+            Got::Export(outcome) => return self.on_export(outcome),
+            Got::Data(message) => message,
+        };
+        match message {
+            Message::Data(data) => self.process(&data),
+            Message::Barrier(_) => {
+                if let Err(error) = self.machine.handle_message(self.now(), &message) {
+                    tracing::warn!(%error, "barrier refused");
+                }
+                self.apply_actions()
+            }
+            other => self.on_control(&other),
+        }
+    }
+
+    fn process(&mut self, data: &Data) -> Result<(), EngineError> {
+        let records = decode_batch(&data.payload)?;
+        match &mut self.role {
+            Role::Operator(operator) => {
+                let mut out = Vec::with_capacity(records.len());
+                for record in records {
+                    operator.process(record, &mut self.state, &mut out)?;
+                }
+                self.emit(out)
+            }
+            Role::Sink(sink) => {
+                for record in records {
+                    sink.write(record)?;
+                }
+                Ok(())
+            }
+            Role::Source(_) => Ok(()),
+        }
+    }
+
+    /// Partitions records over the downstreams and sends them.
+    fn emit(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
+        if records.is_empty() || self.downstreams.is_empty() {
+            return Ok(());
+        }
+        let mut per: Vec<Vec<Record>> = vec![Vec::new(); self.downstreams.len()];
+        for record in records {
+            let target = self.partitioner.target(&record);
+            if let Some(bucket) = per.get_mut(target) {
+                bucket.push(record);
+            }
+        }
+        for (downstream, bucket) in self.downstreams.clone().into_iter().zip(per) {
+            if bucket.is_empty() {
+                continue;
+            }
+            let message = Message::Data(Data {
+                stream: self.stream,
+                upstream: self.task,
+                downstream,
+                records: u32::try_from(bucket.len()).unwrap_or(u32::MAX),
+                payload: encode_batch(&bucket),
+            });
+            self.links.route(message)?;
+        }
+        Ok(())
+    }
+
+    fn apply_actions(&mut self) -> Result<(), EngineError> {
+        while let Some(action) = self.machine.poll_action() {
+            match action {
+                TaskAction::QueueBarrier { checkpoint } => {
+                    self.queued_barriers.push_back(checkpoint)
+                }
+                // Operators here emit as they process: nothing is buffered.
+                TaskAction::FlushOutput { .. } => {}
+                TaskAction::Snapshot { checkpoint, .. } => self.snapshot(checkpoint)?,
+                TaskAction::BlockInput(upstream) => {
+                    self.aligning_since.get_or_insert_with(Instant::now);
+                    self.blocked.insert(upstream);
+                }
+                TaskAction::OpenInput(upstream) => {
+                    self.blocked.remove(&upstream);
+                }
+                TaskAction::Send(message) => self.links.route(message)?,
+                TaskAction::Commit { checkpoint, .. } => {
+                    if let Role::Sink(sink) = &mut self.role {
+                        sink.commit(checkpoint)?;
+                    }
+                    self.drop_snapshots_before(checkpoint);
+                }
+                TaskAction::Discard { checkpoint } => {
+                    let dir = self.snapshot_dir(checkpoint);
+                    if let Err(error) = std::fs::remove_dir_all(&dir) {
+                        tracing::debug!(%error, dir = %dir.display(), "discarding a snapshot");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn snapshot_dir(&self, checkpoint: CheckpointId) -> PathBuf {
+        self.snapshots
+            .join(format!("ckpt-{:020}", checkpoint.get()))
+    }
+
+    /// The synchronous part: freeze the state (O(1)), record the source offset or
+    /// pre-commit the sink; the rest runs on the export thread.
+    fn snapshot(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
+        let started = Instant::now();
+        let alignment_micros = self
+            .aligning_since
+            .take()
+            .map_or(0, |since| micros(since.elapsed()));
+        let mut source_offset = None;
+        match &mut self.role {
+            Role::Source(source) => source_offset = Some(source.offset()),
+            Role::Sink(sink) => {
+                if let Err(error) = sink.pre_commit(checkpoint) {
+                    tracing::warn!(%checkpoint, %error, "pre-commit failed");
+                    self.machine
+                        .handle_snapshot_failed(self.now(), checkpoint, &error.to_string());
+                    return Ok(());
+                }
+            }
+            Role::Operator(_) => {}
+        }
+        let job = self
+            .state
+            .snapshot(checkpoint, self.snapshot_dir(checkpoint));
+        let sync_micros = micros(started.elapsed());
+        self.exports
+            .send(ExportJob {
+                job,
+                checkpoint,
+                source_offset,
+                sync_micros,
+                alignment_micros,
+                started,
+            })
+            .map_err(|_| EngineError::Stopped(format!("the export thread of {}", self.task)))
+    }
+
+    fn drop_snapshots_before(&self, checkpoint: CheckpointId) {
+        let Ok(entries) = std::fs::read_dir(&self.snapshots) else {
+            return;
+        };
+        let keep = format!("ckpt-{:020}", checkpoint.get());
+        for entry in entries.filter_map(Result::ok) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("ckpt-") && name < keep {
+                let _removed = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! The engine's error type.
+
+use std::path::PathBuf;
+
+/// Everything a job can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Keyed state failed.
+    #[error("state: {0}")]
+    State(#[from] stillpoint_state::StateError),
+    /// The checkpoint store failed.
+    #[error("store: {0}")]
+    Store(#[from] stillpoint_backup::StoreError),
+    /// A task machine refused a message.
+    #[error("task protocol: {0}")]
+    Task(#[from] stillpoint_task::TaskError),
+    /// The coordinator machine refused a message or setting.
+    #[error("coordinator: {0}")]
+    Coordinator(#[from] stillpoint_task::CoordinatorError),
+    /// A task's configuration is invalid.
+    #[error("task configuration: {0}")]
+    TaskConfig(#[from] stillpoint_task::ConfigError),
+    /// A `Data` payload did not decode.
+    #[error("records: {0}")]
+    Batch(#[from] crate::record::BatchError),
+    /// A local file operation failed.
+    #[error("{operation} {path}: {message}")]
+    Io {
+        /// What was being done.
+        operation: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The system's message.
+        message: String,
+    },
+    /// The job description cannot run.
+    #[error("invalid job: {0}")]
+    Invalid(String),
+    /// An injected crash stopped the job (tests and `xtask torture`).
+    #[error("the job was crashed on purpose ({0})")]
+    Crashed(String),
+    /// A task or the coordinator stopped unexpectedly.
+    #[error("{0} stopped unexpectedly")]
+    Stopped(String),
+    /// Too many consecutive checkpoints failed.
+    #[error("the job failed: {0}")]
+    Failed(String),
+}
+
+impl EngineError {
+    pub(crate) fn io(
+        operation: &'static str,
+        path: impl Into<PathBuf>,
+        error: &std::io::Error,
+    ) -> Self {
+        Self::Io {
+            operation,
+            path: path.into(),
+            message: error.to_string(),
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The stillpoint engine: a stream-processing runtime with in-band aligned barriers,
+//! RocksDB keyed state with a write-back cache, incremental checkpoints to any
+//! object store through OpenDAL, and exactly-once recovery. It composes
+//! `stillpoint-task` (the protocol machines), `stillpoint-state` (keyed state) and
+//! `stillpoint-backup` (the checkpoint store) into running jobs.
+//!
+//! ```
+//! use stillpoint::{JobConfig, WordCount, read_committed, run_word_count};
+//!
+//! let dir = tempfile::tempdir()?;
+//! let mut config = JobConfig::new(dir.path().join("work"));
+//! config.checkpoint_interval = std::time::Duration::from_millis(50);
+//! let job = WordCount {
+//!     sources: 2,
+//!     aggregators: 3,
+//!     words_per_source: 2_000,
+//!     vocabulary: 50,
+//!     seed: 7,
+//!     output: dir.path().join("out"),
+//! };
+//! // Runs until both sources are exhausted and a checkpoint covers everything.
+//! let report = run_word_count(&config, &job, None)?;
+//! assert!(!report.checkpoints.is_empty());
+//! // Every word was counted exactly once: 4,000 updates published.
+//! assert_eq!(read_committed(&job.output)?.len(), 4_000);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A run started on a store that holds a complete checkpoint restores from the newest
+//! one that verifies (falling back past any that do not), rewinds its sources to the
+//! recorded offsets and continues; sinks publish each checkpoint's output when it
+//! completes, so a crash at any moment loses and duplicates nothing.
+
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+mod driver;
+mod error;
+mod job;
+mod pipeline;
+mod record;
+mod transport;
+
+pub use error::EngineError;
+pub use job::{
+    CheckpointStats, FallBack, JobConfig, JobReport, WordCount, checkpoint_history, run_word_count,
+};
+pub use pipeline::{
+    COUNTS, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll, TransactionalFileSink,
+    read_committed,
+};
+pub use record::{BatchError, Record, decode_batch, encode_batch};
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctest;

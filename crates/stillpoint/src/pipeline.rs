@@ -1,0 +1,301 @@
+//! The operator API — replayable sources, keyed operators, two-phase sinks — and the
+//! built-in pieces of the word count: a deterministic generated source, a keyed
+//! counter and a transactional file sink.
+
+use std::path::{Path, PathBuf};
+
+use stillpoint_state::{CachedState, KeyedState};
+use stillpoint_wire::{CheckpointId, SourceOffset, TaskId};
+
+use crate::{EngineError, Record};
+
+/// What a poll of a source produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourcePoll {
+    /// Records were appended.
+    Records,
+    /// Nothing now; poll again later.
+    Idle,
+    /// The input is exhausted (a bounded source).
+    Finished,
+}
+
+/// A replayable source: it can be positioned at any offset it reported.
+pub trait Source: Send {
+    /// Positions the source at `offset` (`None`: the beginning).
+    fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError>;
+    /// Appends at most `max` records to `out`.
+    fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError>;
+    /// The offset just after the last record returned: where a restore resumes.
+    fn offset(&self) -> SourceOffset;
+}
+
+/// A keyed operator: each record is processed with the task's keyed state (whose key
+/// groups are the task's own; records arrive partitioned by the key group of their
+/// key). State must be keyed by the record's key bytes: the key group of a state key
+/// is computed from those bytes, so a typed state (`ValueState<K, _>`, which keys by
+/// the postcard encoding of `K`) only fits when that encoding is the record key.
+pub trait Operator: Send {
+    /// Processes one record, appending outputs to `out`.
+    fn process(
+        &mut self,
+        record: Record,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError>;
+}
+
+/// An exactly-once sink: output is written into a transaction per checkpoint,
+/// pre-committed (made durable but invisible) at the barrier and committed when the
+/// checkpoint completes.
+pub trait Sink: Send {
+    /// Adds a record to the open transaction.
+    fn write(&mut self, record: Record) -> Result<(), EngineError>;
+    /// Makes the open transaction durable as transaction `checkpoint` (still
+    /// invisible), and opens the next one.
+    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError>;
+    /// Publishes every pre-committed transaction up to and including `checkpoint`.
+    /// Idempotent.
+    fn commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError>;
+    /// After a restart: publishes what `restored` covers and rolls back every later
+    /// pre-committed transaction (its records will be replayed).
+    fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError>;
+}
+
+/// A deterministic bounded source of words: record `i` of source `index` is a word
+/// drawn from a vocabulary by a hash of `(seed, index, i)`. Offsets are positions.
+#[derive(Clone, Debug)]
+pub struct GeneratedWords {
+    seed: u64,
+    index: u32,
+    total: u64,
+    vocabulary: u32,
+    position: u64,
+}
+
+impl GeneratedWords {
+    /// `total` words over `vocabulary` distinct ones.
+    #[must_use]
+    pub fn new(seed: u64, index: u32, total: u64, vocabulary: u32) -> Self {
+        Self {
+            seed,
+            index,
+            total,
+            vocabulary: vocabulary.max(1),
+            position: 0,
+        }
+    }
+
+    /// The word at `position`.
+    #[must_use]
+    pub fn word(&self, position: u64) -> String {
+        // SplitMix64 of the triple: stable across platforms and releases.
+        let mut z = self
+            .seed
+            .wrapping_add(u64::from(self.index).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .wrapping_add(position.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        format!("w{:05}", z % u64::from(self.vocabulary))
+    }
+}
+
+impl Source for GeneratedWords {
+    fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError> {
+        self.position = match offset {
+            None => 0,
+            Some(offset) => offset.as_u64().ok_or_else(|| {
+                EngineError::Invalid("a generated source's offset is a position".to_owned())
+            })?,
+        };
+        if self.position > self.total {
+            return Err(EngineError::Invalid(format!(
+                "offset {} is past the end of a source of {} records",
+                self.position, self.total
+            )));
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
+        if self.position >= self.total {
+            return Ok(SourcePoll::Finished);
+        }
+        let end = self.total.min(self.position + max as u64);
+        for position in self.position..end {
+            out.push(Record::new(self.word(position), bytes::Bytes::new()));
+        }
+        self.position = end;
+        Ok(SourcePoll::Records)
+    }
+
+    fn offset(&self) -> SourceOffset {
+        SourceOffset::from_u64(self.position)
+    }
+}
+
+/// Counts records per key in keyed state (column family `counts`, the record's key
+/// as the state key, the count as 8 bytes big-endian); emits `(key, count)` after
+/// each update.
+#[derive(Debug, Default)]
+pub struct KeyedCount;
+
+/// The column family of [`KeyedCount`].
+pub const COUNTS: &str = "counts";
+
+impl Operator for KeyedCount {
+    fn process(
+        &mut self,
+        record: Record,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let count = match state.get(COUNTS, &record.key, &[])? {
+            None => 0,
+            Some(bytes) => u64::from_be_bytes(bytes.as_slice().try_into().map_err(|_| {
+                EngineError::Invalid(format!(
+                    "a count in state `{COUNTS}` is {} bytes, not 8",
+                    bytes.len()
+                ))
+            })?),
+        } + 1;
+        state.put(COUNTS, &record.key, &[], &count.to_be_bytes())?;
+        out.push(Record::new(record.key, count.to_string()));
+        Ok(())
+    }
+}
+
+/// An exactly-once file sink. Each task writes its open transaction to
+/// `DIR/pending/<checkpoint>-task-<t>.txt` at pre-commit (fsynced, then renamed into
+/// place) and publishes it by renaming it to `DIR/committed/…` when the checkpoint
+/// completes. Lines are `key<TAB>value`.
+#[derive(Debug)]
+pub struct TransactionalFileSink {
+    dir: PathBuf,
+    task: TaskId,
+    open: Vec<u8>,
+}
+
+impl TransactionalFileSink {
+    /// A sink of task `task` writing under `dir`.
+    #[must_use]
+    pub fn new(dir: impl Into<PathBuf>, task: TaskId) -> Self {
+        Self {
+            dir: dir.into(),
+            task,
+            open: Vec::new(),
+        }
+    }
+
+    fn name(&self, checkpoint: CheckpointId) -> String {
+        format!("{:020}-task-{}.txt", checkpoint.get(), self.task.get())
+    }
+
+    /// This task's pre-committed transactions, oldest first.
+    fn pending(&self) -> Result<Vec<(CheckpointId, PathBuf)>, EngineError> {
+        let dir = self.dir.join("pending");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(EngineError::io("list", &dir, &e)),
+        };
+        let suffix = format!("-task-{}.txt", self.task.get());
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| EngineError::io("list", &dir, &e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(id) = name.strip_suffix(&suffix).and_then(|d| d.parse().ok()) {
+                out.push((CheckpointId(id), entry.path()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), EngineError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| EngineError::io("sync", dir, &e))
+}
+
+impl Sink for TransactionalFileSink {
+    fn write(&mut self, record: Record) -> Result<(), EngineError> {
+        self.open.extend_from_slice(&record.key);
+        self.open.push(b'\t');
+        self.open.extend_from_slice(&record.value);
+        self.open.push(b'\n');
+        Ok(())
+    }
+
+    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
+        use std::io::Write;
+        let dir = self.dir.join("pending");
+        std::fs::create_dir_all(&dir).map_err(|e| EngineError::io("create", &dir, &e))?;
+        let target = dir.join(self.name(checkpoint));
+        let staging = dir.join(format!(".{}.tmp", self.name(checkpoint)));
+        let mut file =
+            std::fs::File::create(&staging).map_err(|e| EngineError::io("create", &staging, &e))?;
+        file.write_all(&self.open)
+            .and_then(|()| file.sync_all())
+            .map_err(|e| EngineError::io("write", &staging, &e))?;
+        std::fs::rename(&staging, &target).map_err(|e| EngineError::io("rename", &staging, &e))?;
+        sync_dir(&dir)?;
+        self.open.clear();
+        Ok(())
+    }
+
+    fn commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
+        let committed = self.dir.join("committed");
+        std::fs::create_dir_all(&committed)
+            .map_err(|e| EngineError::io("create", &committed, &e))?;
+        let mut moved = false;
+        for (id, path) in self.pending()? {
+            if id > checkpoint {
+                break;
+            }
+            let target = committed.join(self.name(id));
+            std::fs::rename(&path, &target).map_err(|e| EngineError::io("rename", &path, &e))?;
+            moved = true;
+        }
+        if moved {
+            sync_dir(&committed)?;
+        }
+        Ok(())
+    }
+
+    fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError> {
+        self.open.clear();
+        if let Some(checkpoint) = restored {
+            self.commit(checkpoint)?;
+        }
+        for (id, path) in self.pending()? {
+            if restored.is_none_or(|r| id > r) {
+                std::fs::remove_file(&path).map_err(|e| EngineError::io("remove", &path, &e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every line a [`TransactionalFileSink`] published under `dir`, as `(key, value)`.
+pub fn read_committed(dir: &Path) -> Result<Vec<(String, String)>, EngineError> {
+    let committed = dir.join("committed");
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&committed) {
+        Ok(entries) => entries.filter_map(Result::ok).map(|e| e.path()).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(EngineError::io("list", &committed, &e)),
+    };
+    files.sort();
+    let mut out = Vec::new();
+    for file in files {
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| EngineError::io("read", &file, &e))?;
+        for line in text.lines() {
+            let (key, value) = line.split_once('\t').unwrap_or((line, ""));
+            out.push((key.to_owned(), value.to_owned()));
+        }
+    }
+    Ok(out)
+}

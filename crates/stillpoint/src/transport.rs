@@ -1,0 +1,121 @@
+//! The in-process transport: bounded data channels per edge (barriers travel in-band
+//! with the records, backpressure reaches the sources), unbounded control channels
+//! per task and one to the coordinator, and the routing of every protocol message.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{SendTimeoutError, Sender};
+use stillpoint_wire::{Message, SourceOffset, TaskId};
+
+use crate::EngineError;
+
+/// What the coordinator driver receives.
+#[derive(Debug)]
+pub(crate) enum CoordinatorInput {
+    /// A protocol message from a task.
+    Message(Message),
+    /// A bounded source reached its end at this offset.
+    SourceFinished { task: TaskId, offset: SourceOffset },
+    /// A task stopped with an error.
+    TaskFailed { task: TaskId, error: String },
+}
+
+/// Job-wide flags every thread watches.
+#[derive(Debug, Default)]
+pub(crate) struct Signals {
+    stop: AtomicBool,
+    crash: AtomicBool,
+}
+
+impl Signals {
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn crash(&self) {
+        self.crash.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn crashed(&self) -> bool {
+        self.crash.load(Ordering::SeqCst)
+    }
+
+    /// Whether a thread should leave its loop now.
+    pub(crate) fn halted(&self) -> bool {
+        self.stopping() || self.crashed()
+    }
+}
+
+/// Where a task's outgoing messages go.
+#[derive(Clone, Debug)]
+pub(crate) struct Links {
+    pub(crate) data: BTreeMap<TaskId, Sender<Message>>,
+    pub(crate) control: Arc<BTreeMap<TaskId, Sender<Message>>>,
+    pub(crate) coordinator: Sender<CoordinatorInput>,
+    pub(crate) signals: Arc<Signals>,
+}
+
+impl Links {
+    /// Sends a message where the protocol says it goes. Data and barriers wait for room
+    /// in their bounded channel (backpressure) but give up when the job halts.
+    pub(crate) fn route(&self, message: Message) -> Result<(), EngineError> {
+        let control_target = match &message {
+            Message::Barrier(m) => return self.send_data(m.downstream, message),
+            Message::Data(m) => return self.send_data(m.downstream, message),
+            Message::CheckpointSourceRsp(_) | Message::CheckpointReport(_) => {
+                // The coordinator outlives every task; a closed channel means the job is
+                // stopping, when late reports no longer matter.
+                let _closed = self.coordinator.send(CoordinatorInput::Message(message));
+                return Ok(());
+            }
+            Message::BarrierAck(m) => m.upstream,
+            Message::CheckpointReady(m) => m.upstream,
+            Message::RetrieveBarrier(m) => m.upstream,
+            Message::CheckpointReadyAck(m) => m.downstream,
+            Message::RetrieveBarrierRsp(m) => m.downstream,
+            Message::CheckpointSource(m) => m.task,
+            Message::CheckpointComplete(m) => m.task,
+            Message::CheckpointAbort(m) => m.task,
+        };
+        match self.control.get(&control_target) {
+            Some(channel) => {
+                // Control traffic to a task that already stopped is lost, as it would be
+                // on a network; the protocol tolerates lost control messages.
+                let _closed = channel.send(message);
+                Ok(())
+            }
+            None => Err(EngineError::Invalid(format!(
+                "no route to {control_target}"
+            ))),
+        }
+    }
+
+    fn send_data(&self, to: TaskId, message: Message) -> Result<(), EngineError> {
+        let channel = self
+            .data
+            .get(&to)
+            .ok_or_else(|| EngineError::Invalid(format!("no data channel to {to}")))?;
+        let mut message = message;
+        loop {
+            match channel.send_timeout(message, Duration::from_millis(20)) {
+                Ok(()) => return Ok(()),
+                Err(SendTimeoutError::Timeout(back)) => {
+                    if self.signals.halted() {
+                        return Err(EngineError::Stopped(format!("the data channel to {to}")));
+                    }
+                    message = back;
+                }
+                Err(SendTimeoutError::Disconnected(_)) => {
+                    return Err(EngineError::Stopped(format!("{to}")));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Shared pieces of the end-to-end tests: the expected word-count output and a crash
+//! loop that runs a job to the end through injected crashes.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use stillpoint::{
+    EngineError, GeneratedWords, JobConfig, WordCount, checkpoint_history, read_committed,
+    run_word_count,
+};
+
+/// What an exactly-once word count publishes, whatever happened during the run: for a
+/// word seen `n` times in total, the lines `(word, 1) … (word, n)`, each once.
+pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
+    let mut totals: BTreeMap<String, u64> = BTreeMap::new();
+    for index in 0..job.sources {
+        let source = GeneratedWords::new(job.seed, index, job.words_per_source, job.vocabulary);
+        for position in 0..job.words_per_source {
+            *totals.entry(source.word(position)).or_default() += 1;
+        }
+    }
+    let mut out: Vec<(String, String)> = totals
+        .into_iter()
+        .flat_map(|(word, n)| (1..=n).map(move |k| (word.clone(), k.to_string())))
+        .collect();
+    out.sort();
+    out
+}
+
+/// How many lines of `expected` (sorted) `output` (sorted) lacks, counting repeats: a
+/// merge walk, linear in both.
+pub(crate) fn missing_from(output: &[(String, String)], expected: &[(String, String)]) -> usize {
+    let mut have = output.iter().peekable();
+    let mut missing = 0;
+    for line in expected {
+        while have.next_if(|seen| *seen < line).is_some() {}
+        if have.next_if(|seen| *seen == line).is_none() {
+            missing += 1;
+        }
+    }
+    missing
+}
+
+/// The committed output, sorted.
+pub(crate) fn committed_output(job: &WordCount) -> Vec<(String, String)> {
+    let mut out = read_committed(&job.output).unwrap();
+    out.sort();
+    out
+}
+
+/// A small deterministic generator (SplitMix64) for crash times.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..bound`.
+    pub(crate) fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound.max(1)
+    }
+}
+
+/// What a crash loop saw.
+#[derive(Debug, Default)]
+pub(crate) struct CrashLoop {
+    pub(crate) crashes: u32,
+    pub(crate) restored: u32,
+    pub(crate) checkpoints: usize,
+    pub(crate) durations_millis: Vec<u64>,
+    pub(crate) stalls_micros: Vec<u64>,
+    pub(crate) elapsed: Duration,
+}
+
+/// Runs `job` crashing it at uniformly random moments in `0..window` until it was
+/// crashed `crashes` times or finished before its crash moment, then (if needed) once
+/// more without a crash to the end.
+pub(crate) fn crash_loop(
+    config: &JobConfig,
+    job: &WordCount,
+    crashes: u32,
+    window: Duration,
+    seed: u64,
+) -> CrashLoop {
+    let started = Instant::now();
+    let mut rng = Rng(seed);
+    let mut seen = CrashLoop::default();
+    let window_micros = u64::try_from(window.as_micros()).unwrap();
+    loop {
+        let crash =
+            (seen.crashes < crashes).then(|| Duration::from_micros(rng.below(window_micros)));
+        match run_word_count(config, job, crash) {
+            Err(EngineError::Crashed(_)) => seen.crashes += 1,
+            Ok(report) => {
+                seen.restored += u32::from(report.restored_from.is_some());
+                break;
+            }
+            Err(error) => panic!("run after {} crashes failed: {error}", seen.crashes),
+        }
+    }
+    // Every checkpoint committed across the runs, crashed ones included.
+    for stats in checkpoint_history(config).unwrap() {
+        seen.checkpoints += 1;
+        seen.durations_millis.push(stats.duration_millis);
+        seen.stalls_micros.push(stats.max_sync_micros);
+    }
+    seen.elapsed = started.elapsed();
+    seen
+}
+
+impl CrashLoop {
+    /// Adds another loop's figures to these.
+    pub(crate) fn merge(&mut self, other: Self) {
+        self.crashes += other.crashes;
+        self.restored += other.restored;
+        self.checkpoints += other.checkpoints;
+        self.durations_millis.extend(other.durations_millis);
+        self.stalls_micros.extend(other.stalls_micros);
+        self.elapsed += other.elapsed;
+    }
+}
+
+/// The `p`-th percentile of `values` (nearest rank).
+pub(crate) fn percentile(values: &[u64], p: usize) -> u64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable();
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (p * sorted.len()).div_ceil(100);
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// The sink's files, `pending/…` and `committed/…`, for failure messages.
+pub(crate) fn sink_files(job: &WordCount) -> Vec<String> {
+    let mut out = Vec::new();
+    for kind in ["pending", "committed"] {
+        if let Ok(entries) = std::fs::read_dir(job.output.join(kind)) {
+            for entry in entries.flatten() {
+                out.push(format!("{kind}/{}", entry.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
