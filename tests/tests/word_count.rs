@@ -13,16 +13,18 @@ mod support;
 
 use std::time::Duration;
 
-use stillpoint::{JobConfig, WordCount, run_word_count};
+use stillpoint::{JobConfig, WordCount, WordInput, run_word_count};
 use support::{committed_output, crash_loop, expected_output, percentile};
 
 fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {
     WordCount {
         sources: 2,
         aggregators: 3,
-        words_per_source,
-        vocabulary: 500,
-        seed: 42,
+        input: WordInput::Generated {
+            words_per_source,
+            vocabulary: 500,
+            seed: 42,
+        },
         output: dir.join("out"),
     }
 }

@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
@@ -153,6 +155,8 @@ pub(crate) struct TaskDriver {
     pub(crate) snapshots: PathBuf,
     pub(crate) epoch: Instant,
     pub(crate) batch: usize,
+    /// Records this task took in (read or received), for the metrics.
+    pub(crate) records: Arc<AtomicU64>,
     blocked: BTreeSet<TaskId>,
     queued_barriers: VecDeque<CheckpointId>,
     aligning_since: Option<Instant>,
@@ -193,6 +197,7 @@ impl TaskDriver {
             snapshots,
             epoch,
             batch: 256,
+            records: Arc::new(AtomicU64::new(0)),
             blocked: BTreeSet::new(),
             queued_barriers: VecDeque::new(),
             aligning_since: None,
@@ -294,7 +299,11 @@ impl TaskDriver {
         };
         let mut records = Vec::with_capacity(self.batch);
         match source.poll(self.batch, &mut records)? {
-            SourcePoll::Records => self.emit(records),
+            SourcePoll::Records => {
+                self.records
+                    .fetch_add(records.len() as u64, Ordering::Relaxed);
+                self.emit(records)
+            }
             SourcePoll::Idle => self.idle(Duration::from_millis(1)),
             SourcePoll::Finished => {
                 if !self.finished_reported {
@@ -397,6 +406,8 @@ impl TaskDriver {
 
     fn process(&mut self, data: &Data) -> Result<(), EngineError> {
         let records = decode_batch(&data.payload)?;
+        self.records
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
         match &mut self.role {
             Role::Operator(operator) => {
                 let mut out = Vec::with_capacity(records.len());

@@ -4,8 +4,10 @@
 //! a bounded job is done.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
@@ -25,6 +27,7 @@ use stillpoint_wire::{
 };
 
 use crate::driver::{ExportJob, ExportOutcome, Partitioner, Role, TaskDriver, export_loop};
+use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Links, Signals};
 use crate::{EngineError, GeneratedWords, KeyedCount, Source, TransactionalFileSink};
 
@@ -53,6 +56,8 @@ pub struct JobConfig {
     pub state: StateConfig,
     /// The job lease's time to live (default 60 s).
     pub lease_ttl: Duration,
+    /// Where the Prometheus metrics endpoint listens (default: off).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl JobConfig {
@@ -71,17 +76,20 @@ impl JobConfig {
             max_parallelism: 128,
             state: StateConfig::default(),
             lease_ttl: Duration::from_secs(60),
+            metrics_listen: None,
         }
     }
 
-    fn store_uri(&self) -> String {
+    /// The store URI this job checkpoints to.
+    #[must_use]
+    pub fn store_uri(&self) -> String {
         self.store
             .clone()
             .unwrap_or_else(|| format!("file://{}", self.work_dir.join("store").display()))
     }
 }
 
-/// The built-in keyed word count: `sources` generated sources → hash by key group →
+/// The built-in keyed word count: `sources` replayable sources → hash by key group →
 /// `aggregators` keyed counters → one exactly-once file sink per counter.
 #[derive(Clone, Debug)]
 pub struct WordCount {
@@ -89,14 +97,134 @@ pub struct WordCount {
     pub sources: u32,
     /// Counter (and sink) parallelism.
     pub aggregators: u32,
-    /// Words each source generates before it ends.
-    pub words_per_source: u64,
-    /// Distinct words.
-    pub vocabulary: u32,
-    /// Seed of the generated words.
-    pub seed: u64,
+    /// What the sources read.
+    pub input: WordInput,
     /// Where the sinks publish their output.
     pub output: PathBuf,
+}
+
+/// What the word count's sources read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WordInput {
+    /// Deterministic generated words ([`GeneratedWords`]); bounded.
+    Generated {
+        /// Words each source generates before it ends.
+        words_per_source: u64,
+        /// Distinct words.
+        vocabulary: u32,
+        /// Seed of the generated words.
+        seed: u64,
+    },
+    /// One text file per source ([`crate::FileLines`]); bounded.
+    Files {
+        /// The files, one per source.
+        paths: Vec<PathBuf>,
+    },
+    /// One append-only log directory per source ([`crate::LogDir`]); unbounded: the
+    /// job runs until it is stopped.
+    Log {
+        /// The directories, one per source.
+        dirs: Vec<PathBuf>,
+    },
+}
+
+impl WordCount {
+    /// A word count over generated words (1,000 distinct words, seed 42).
+    #[must_use]
+    pub fn generated(
+        sources: u32,
+        aggregators: u32,
+        words_per_source: u64,
+        output: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            sources,
+            aggregators,
+            input: WordInput::Generated {
+                words_per_source,
+                vocabulary: 1_000,
+                seed: 42,
+            },
+            output: output.into(),
+        }
+    }
+
+    /// The source of task index `index`.
+    fn source(&self, index: u32) -> Result<Box<dyn Source>, EngineError> {
+        let pick = |list: &[PathBuf], what: &str| {
+            list.get(index as usize).cloned().ok_or_else(|| {
+                EngineError::Invalid(format!(
+                    "source {index} has no {what}: the input lists {} for {} sources",
+                    list.len(),
+                    self.sources
+                ))
+            })
+        };
+        Ok(match &self.input {
+            WordInput::Generated {
+                words_per_source,
+                vocabulary,
+                seed,
+            } => Box::new(GeneratedWords::new(
+                *seed,
+                index,
+                *words_per_source,
+                *vocabulary,
+            )),
+            WordInput::Files { paths } => Box::new(crate::FileLines::new(pick(paths, "file")?)),
+            WordInput::Log { dirs } => Box::new(crate::LogDir::new(pick(dirs, "log directory")?)),
+        })
+    }
+}
+
+/// Asks a running job to stop: it takes one more checkpoint, publishes it and returns.
+/// Clone it into a signal handler.
+#[derive(Clone, Debug, Default)]
+pub struct StopHandle(Arc<AtomicBool>);
+
+impl StopHandle {
+    /// A handle nobody has pulled yet.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests the stop (idempotent).
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a stop was requested.
+    #[must_use]
+    pub fn requested(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// What [`RunOptions::on_checkpoint`] calls.
+pub type CheckpointCallback = Box<dyn FnMut(&CheckpointStats) + Send>;
+
+/// How one run is driven from outside.
+#[derive(Default)]
+pub struct RunOptions {
+    /// Crash the whole job at this moment (fault injection): threads stop where they
+    /// are, nothing is flushed or released, and `EngineError::Crashed` is returned.
+    pub crash_after: Option<Duration>,
+    /// Stops the job after a final checkpoint.
+    pub stop: StopHandle,
+    /// Called on the coordinator's thread for each completed checkpoint.
+    pub on_checkpoint: Option<CheckpointCallback>,
+    /// Called once the metrics endpoint listens, with its address.
+    pub on_metrics: Option<Box<dyn FnOnce(SocketAddr) + Send>>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("crash_after", &self.crash_after)
+            .field("stop", &self.stop)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Statistics of one completed checkpoint, kept in the store next to it.
@@ -191,6 +319,26 @@ pub fn run_word_count(
     job: &WordCount,
     crash_after: Option<Duration>,
 ) -> Result<JobReport, EngineError> {
+    run(
+        config,
+        job,
+        RunOptions {
+            crash_after,
+            ..RunOptions::default()
+        },
+    )
+}
+
+/// Runs the word count until its bounded sources are exhausted and a checkpoint
+/// covering all of it has completed, or until `options.stop` is pulled and one more
+/// checkpoint has completed; restores from the store's newest verified checkpoint
+/// first.
+pub fn run(
+    config: &JobConfig,
+    job: &WordCount,
+    mut options: RunOptions,
+) -> Result<JobReport, EngineError> {
+    let crash_after = options.crash_after;
     if job.sources == 0 || job.aggregators == 0 {
         return Err(EngineError::Invalid(
             "a word count needs at least one source and one counter".to_owned(),
@@ -232,6 +380,21 @@ pub fn run_word_count(
     let groups = KeyGroups::new(config.max_parallelism)?;
     let signals = Arc::new(Signals::default());
     let epoch = Instant::now();
+    let metrics = Arc::new(Metrics::new(&topology.all()));
+    if let Some(id) = report.restored_from {
+        metrics.restored(id.get());
+    }
+    let metrics_thread = match config.metrics_listen {
+        Some(listen) => {
+            let (address, handle) =
+                crate::metrics::serve(listen, Arc::clone(&metrics), Arc::clone(&signals))?;
+            if let Some(tell) = options.on_metrics.take() {
+                tell(address);
+            }
+            Some(handle)
+        }
+        None => None,
+    };
 
     // Channels: data per edge (bounded: backpressure), control per task.
     let mut data_rx: BTreeMap<TaskId, Vec<(TaskId, Receiver<stillpoint_wire::Message>)>> =
@@ -340,18 +503,13 @@ pub fn run_word_count(
         });
         let role = match level {
             TaskLevel::Source => {
-                let mut source = GeneratedWords::new(
-                    job.seed,
-                    index(&topology.sources),
-                    job.words_per_source,
-                    job.vocabulary,
-                );
+                let mut source = job.source(index(&topology.sources))?;
                 source.seek(
                     restored_checkpoint
                         .as_ref()
                         .and_then(|r| r.source_offset.as_ref()),
                 )?;
-                Role::Source(Box::new(source))
+                Role::Source(source)
             }
             TaskLevel::Aggregate => Role::Operator(Box::new(KeyedCount)),
             TaskLevel::Sink => {
@@ -383,7 +541,7 @@ pub fn run_word_count(
                 .spawn(move || export_loop(export_rx, exported_tx, store, handle, NODE))
                 .map_err(|e| EngineError::io("spawn", "export thread", &e))?
         };
-        let driver = TaskDriver::new(
+        let mut driver = TaskDriver::new(
             config.stream,
             task,
             machine,
@@ -404,6 +562,7 @@ pub fn run_word_count(
                 .join(format!("task-{}", task.get())),
             epoch,
         );
+        driver.records = metrics.records_of(task);
         let failures = coordinator_tx.clone();
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))
@@ -458,6 +617,10 @@ pub fn run_word_count(
         offsets: BTreeMap::new(),
         backoff: GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60)),
         report: &mut report,
+        metrics: Arc::clone(&metrics),
+        stop: options.stop.clone(),
+        stop_after: None,
+        on_checkpoint: options.on_checkpoint.take(),
     };
     let outcome = driver.run();
     let lease = driver.lease;
@@ -481,6 +644,9 @@ pub fn run_word_count(
             }
         }
         let _joined = exporter.join();
+    }
+    if let Some(handle) = metrics_thread {
+        let _joined = handle.join();
     }
     outcome?;
     if signals.crashed() {
@@ -614,6 +780,12 @@ struct CoordinatorDriver<'a> {
     offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
     backoff: GcBackoff,
     report: &'a mut JobReport,
+    metrics: Arc<Metrics>,
+    stop: StopHandle,
+    /// Once a stop was requested: the newest checkpoint already triggered then; the
+    /// job ends when a later one completes.
+    stop_after: Option<CheckpointId>,
+    on_checkpoint: Option<CheckpointCallback>,
 }
 
 impl CoordinatorDriver<'_> {
@@ -654,6 +826,16 @@ impl CoordinatorDriver<'_> {
                     }
                     return Err(EngineError::Stopped("every task".to_owned()));
                 }
+            }
+            if self.stop_after.is_none() && self.stop.requested() {
+                let newest = self
+                    .coordinator
+                    .in_flight()
+                    .max()
+                    .or(self.coordinator.last_completed())
+                    .unwrap_or(CheckpointId(0));
+                tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
+                self.stop_after = Some(newest);
             }
             let now = self.now();
             if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
@@ -728,14 +910,22 @@ impl CoordinatorDriver<'_> {
                     {
                         tracing::warn!(%error, "checkpoint statistics not stored");
                     }
+                    self.metrics.checkpoint_completed(&stats);
+                    if let Some(tell) = &mut self.on_checkpoint {
+                        tell(&stats);
+                    }
                     self.report.checkpoints.push(stats);
                     self.collect_garbage();
+                    done |= self
+                        .stop_after
+                        .is_some_and(|after| completed.checkpoint > after);
                     let covered = self.offsets.get(&completed.checkpoint);
                     done |= self.finished.len() == self.sources.len()
                         && covered.is_some_and(|offsets| *offsets == self.finished);
                     self.offsets.retain(|id, _| *id > completed.checkpoint);
                 }
                 CoordinatorAction::Aborted { checkpoint, reason } => {
+                    self.metrics.checkpoint_aborted();
                     tracing::warn!(%checkpoint, ?reason, "checkpoint aborted");
                 }
                 CoordinatorAction::FailJob {

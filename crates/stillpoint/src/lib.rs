@@ -10,14 +10,7 @@
 //! let dir = tempfile::tempdir()?;
 //! let mut config = JobConfig::new(dir.path().join("work"));
 //! config.checkpoint_interval = std::time::Duration::from_millis(50);
-//! let job = WordCount {
-//!     sources: 2,
-//!     aggregators: 3,
-//!     words_per_source: 2_000,
-//!     vocabulary: 50,
-//!     seed: 7,
-//!     output: dir.path().join("out"),
-//! };
+//! let job = WordCount::generated(2, 3, 2_000, dir.path().join("out"));
 //! // Runs until both sources are exhausted and a checkpoint covers everything.
 //! let report = run_word_count(&config, &job, None)?;
 //! assert!(!report.checkpoints.is_empty());
@@ -41,22 +34,29 @@
     )
 )]
 
+mod config;
 mod driver;
 mod error;
 mod job;
+mod metrics;
 mod pipeline;
 mod record;
+mod sources;
 mod transport;
 
+pub use config::{ConfigError, Job};
 pub use error::EngineError;
 pub use job::{
-    CheckpointStats, FallBack, JobConfig, JobReport, WordCount, checkpoint_history, run_word_count,
+    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, RunOptions, StopHandle,
+    WordCount, WordInput, checkpoint_history, run, run_word_count,
 };
+pub use metrics::Metrics;
 pub use pipeline::{
     COUNTS, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll, TransactionalFileSink,
     read_committed,
 };
 pub use record::{BatchError, Record, decode_batch, encode_batch};
+pub use sources::{FileLines, LogDir, MAX_LINE_BYTES};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

@@ -6,18 +6,47 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use stillpoint::{
-    EngineError, GeneratedWords, JobConfig, WordCount, checkpoint_history, read_committed,
-    run_word_count,
+    EngineError, GeneratedWords, JobConfig, WordCount, WordInput, checkpoint_history,
+    read_committed, run_word_count,
 };
 
 /// What an exactly-once word count publishes, whatever happened during the run: for a
 /// word seen `n` times in total, the lines `(word, 1) … (word, n)`, each once.
 pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
     let mut totals: BTreeMap<String, u64> = BTreeMap::new();
-    for index in 0..job.sources {
-        let source = GeneratedWords::new(job.seed, index, job.words_per_source, job.vocabulary);
-        for position in 0..job.words_per_source {
-            *totals.entry(source.word(position)).or_default() += 1;
+    match &job.input {
+        WordInput::Generated {
+            words_per_source,
+            vocabulary,
+            seed,
+        } => {
+            for index in 0..job.sources {
+                let source = GeneratedWords::new(*seed, index, *words_per_source, *vocabulary);
+                for position in 0..*words_per_source {
+                    *totals.entry(source.word(position)).or_default() += 1;
+                }
+            }
+        }
+        WordInput::Files { paths } => {
+            for path in paths {
+                for word in std::fs::read_to_string(path).unwrap().split_whitespace() {
+                    *totals.entry(word.to_owned()).or_default() += 1;
+                }
+            }
+        }
+        WordInput::Log { dirs } => {
+            for dir in dirs {
+                let mut segments: Vec<_> = std::fs::read_dir(dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .collect();
+                segments.sort();
+                for segment in segments {
+                    for word in std::fs::read_to_string(segment).unwrap().split_whitespace() {
+                        *totals.entry(word.to_owned()).or_default() += 1;
+                    }
+                }
+            }
         }
     }
     let mut out: Vec<(String, String)> = totals

@@ -1,0 +1,603 @@
+//! Job files: TOML with documented defaults. Every section and field may be left
+//! out; an unknown field is an error naming its line.
+//!
+//! ```toml
+//! [job]
+//! work_dir = "./stillpoint-data"    # live state, snapshots, restore downloads
+//! stream = 1
+//! checkpoint_interval = "1s"        # durations: "250ms", "1s", "5m", …
+//! checkpoint_timeout = "60s"
+//! tolerable_failures = 3            # consecutive failed checkpoints before the job fails
+//! max_parallelism = 128             # key groups; fixed for the life of the job
+//! lease_ttl = "60s"
+//!
+//! [store]
+//! uri = "file://./stillpoint-data/store"   # or s3://BUCKET/PREFIX?endpoint=…&region=…, memory://
+//! # access_key_id / secret_access_key: S3 credentials (default: the AWS_* variables)
+//! # encryption_key: 64 hex digits (default: STILLPOINT_ENCRYPTION_KEY, else none)
+//! parallelism = 8                   # files transferred at once
+//! part_size_mib = 8
+//! timeout = "60s"
+//! io_timeout = "120s"
+//!
+//! [retention]
+//! keep_last = 3                     # periodic checkpoints kept; savepoints always are
+//! grace = "10m"                     # objects younger than this are never deleted
+//!
+//! [state]
+//! compression = "lz4"               # none | lz4 | zstd
+//! bottommost_compression = "zstd"
+//! block_cache_mib = 256
+//! write_buffer_mib = 64
+//! cache_budget_mib = 256            # the write-back cache's memory
+//! bloom_bits_per_key = 10
+//! background_jobs = 2
+//!
+//! [metrics]
+//! listen = "127.0.0.1:9464"         # Prometheus text at /metrics; default: off
+//!
+//! [pipeline]                        # the built-in keyed word count
+//! sources = 2
+//! aggregators = 3                   # counters, each with its exactly-once file sink
+//! output = "./stillpoint-data/output"
+//! input = { kind = "generated", words_per_source = 1000000, vocabulary = 1000, seed = 42 }
+//! # input = { kind = "files", paths = ["a.txt", "b.txt"] }      # one file per source
+//! # input = { kind = "log", dirs = ["log-0", "log-1"] }         # one log dir per source
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use stillpoint_backup::{EncryptionKey, Retention, S3Credentials, StoreOptions};
+use stillpoint_state::{Compression, StateConfig};
+use stillpoint_wire::StreamId;
+
+use crate::{JobConfig, WordCount, WordInput};
+
+/// A job file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read job file {path}: {message}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The system's message.
+        message: String,
+    },
+    /// The TOML does not parse or has a wrong or unknown field (the message names
+    /// the line and column).
+    #[error("{source_name}: {message}")]
+    Parse {
+        /// The file (or `<string>`).
+        source_name: String,
+        /// The parser's message, with line and column.
+        message: String,
+    },
+    /// A value parses but cannot be used.
+    #[error("{source_name}: `{field}` {reason}")]
+    Invalid {
+        /// The file (or `<string>`).
+        source_name: String,
+        /// The field, as `section.name`.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A job to run: where and how it checkpoints, and its pipeline.
+#[derive(Clone, Debug)]
+pub struct Job {
+    /// Where and how the job runs and checkpoints.
+    pub config: JobConfig,
+    /// The pipeline (the built-in keyed word count).
+    pub pipeline: WordCount,
+}
+
+impl Job {
+    /// The defaults: a generated word count under `./stillpoint-data`.
+    #[must_use]
+    pub fn embedded_default() -> Self {
+        // An empty file is the defaults; it always parses.
+        Self::from_toml("", "<defaults>").unwrap_or_else(|_| Self {
+            config: JobConfig::new("./stillpoint-data"),
+            pipeline: WordCount::generated(2, 3, 1_000_000, "./stillpoint-data/output"),
+        })
+    }
+
+    /// Reads a job file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Parses a job file's text; `source_name` names it in errors.
+    pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
+        let file: JobFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            source_name: source_name.to_owned(),
+            message: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        file.into_job(source_name)
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobFile {
+    #[serde(default)]
+    job: JobSection,
+    #[serde(default)]
+    store: StoreSection,
+    #[serde(default)]
+    retention: RetentionSection,
+    #[serde(default)]
+    state: StateSection,
+    #[serde(default)]
+    metrics: MetricsSection,
+    #[serde(default)]
+    pipeline: PipelineSection,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct JobSection {
+    work_dir: PathBuf,
+    stream: u64,
+    #[serde(with = "humantime_serde")]
+    checkpoint_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    checkpoint_timeout: Duration,
+    tolerable_failures: u32,
+    max_parallelism: u32,
+    #[serde(with = "humantime_serde")]
+    lease_ttl: Duration,
+}
+
+impl Default for JobSection {
+    fn default() -> Self {
+        let defaults = JobConfig::new("./stillpoint-data");
+        Self {
+            work_dir: defaults.work_dir,
+            stream: defaults.stream.get(),
+            checkpoint_interval: defaults.checkpoint_interval,
+            checkpoint_timeout: defaults.checkpoint_timeout,
+            tolerable_failures: defaults.tolerable_failures,
+            max_parallelism: defaults.max_parallelism,
+            lease_ttl: defaults.lease_ttl,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct StoreSection {
+    uri: Option<String>,
+    access_key_id: Option<String>,
+    secret_access_key: Option<String>,
+    encryption_key: Option<String>,
+    parallelism: usize,
+    part_size_mib: usize,
+    #[serde(with = "humantime_serde")]
+    timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    io_timeout: Duration,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        let defaults = StoreOptions::default();
+        Self {
+            uri: None,
+            access_key_id: None,
+            secret_access_key: None,
+            encryption_key: None,
+            parallelism: defaults.parallelism,
+            part_size_mib: defaults.part_size >> 20,
+            timeout: defaults.timeout,
+            io_timeout: defaults.io_timeout,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RetentionSection {
+    keep_last: usize,
+    #[serde(with = "humantime_serde")]
+    grace: Duration,
+}
+
+impl Default for RetentionSection {
+    fn default() -> Self {
+        let defaults = Retention::default();
+        Self {
+            keep_last: defaults.keep_last,
+            grace: defaults.grace,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum CompressionName {
+    None,
+    Lz4,
+    Zstd,
+}
+
+impl From<CompressionName> for Compression {
+    fn from(name: CompressionName) -> Self {
+        match name {
+            CompressionName::None => Self::None,
+            CompressionName::Lz4 => Self::Lz4,
+            CompressionName::Zstd => Self::Zstd,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct StateSection {
+    compression: CompressionName,
+    bottommost_compression: CompressionName,
+    block_cache_mib: usize,
+    write_buffer_mib: usize,
+    cache_budget_mib: usize,
+    bloom_bits_per_key: u32,
+    background_jobs: i32,
+}
+
+impl Default for StateSection {
+    fn default() -> Self {
+        let defaults = StateConfig::default();
+        Self {
+            compression: CompressionName::Lz4,
+            bottommost_compression: CompressionName::Zstd,
+            block_cache_mib: defaults.block_cache_bytes >> 20,
+            write_buffer_mib: defaults.write_buffer_bytes >> 20,
+            cache_budget_mib: defaults.cache_budget_bytes >> 20,
+            bloom_bits_per_key: defaults.bloom_bits_per_key,
+            background_jobs: defaults.background_jobs,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct MetricsSection {
+    listen: Option<SocketAddr>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct PipelineSection {
+    sources: u32,
+    aggregators: u32,
+    output: Option<PathBuf>,
+    input: InputSection,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        Self {
+            sources: 2,
+            aggregators: 3,
+            output: None,
+            input: InputSection::Generated {
+                words_per_source: default_words(),
+                vocabulary: default_vocabulary(),
+                seed: default_seed(),
+            },
+        }
+    }
+}
+
+const fn default_words() -> u64 {
+    1_000_000
+}
+const fn default_vocabulary() -> u32 {
+    1_000
+}
+const fn default_seed() -> u64 {
+    42
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "lowercase")]
+enum InputSection {
+    Generated {
+        #[serde(default = "default_words")]
+        words_per_source: u64,
+        #[serde(default = "default_vocabulary")]
+        vocabulary: u32,
+        #[serde(default = "default_seed")]
+        seed: u64,
+    },
+    Files {
+        paths: Vec<PathBuf>,
+    },
+    Log {
+        dirs: Vec<PathBuf>,
+    },
+}
+
+impl JobFile {
+    fn into_job(self, source_name: &str) -> Result<Job, ConfigError> {
+        let invalid = |field: &'static str, reason: &str| ConfigError::Invalid {
+            source_name: source_name.to_owned(),
+            field,
+            reason: reason.to_owned(),
+        };
+        let Self {
+            job,
+            store,
+            retention,
+            state,
+            metrics,
+            pipeline,
+        } = self;
+        if job.checkpoint_interval.is_zero() {
+            return Err(invalid("job.checkpoint_interval", "must be positive"));
+        }
+        if job.max_parallelism == 0 || job.max_parallelism > 32_768 {
+            return Err(invalid("job.max_parallelism", "must be in 1..=32768"));
+        }
+        if store.parallelism == 0 {
+            return Err(invalid("store.parallelism", "must be at least 1"));
+        }
+        if store.part_size_mib < 5 {
+            return Err(invalid(
+                "store.part_size_mib",
+                "must be at least 5 (S3 parts are at least 5 MiB)",
+            ));
+        }
+        if retention.keep_last == 0 {
+            return Err(invalid("retention.keep_last", "must be at least 1"));
+        }
+        if pipeline.sources == 0 {
+            return Err(invalid("pipeline.sources", "must be at least 1"));
+        }
+        if pipeline.aggregators == 0 || pipeline.aggregators > job.max_parallelism {
+            return Err(invalid(
+                "pipeline.aggregators",
+                "must be in 1..=job.max_parallelism",
+            ));
+        }
+        let s3_credentials = match (store.access_key_id, store.secret_access_key) {
+            (None, None) => None,
+            (Some(access_key_id), Some(secret_access_key)) => Some(S3Credentials {
+                access_key_id,
+                secret_access_key,
+                session_token: None,
+            }),
+            _ => {
+                return Err(invalid(
+                    "store.access_key_id",
+                    "and `store.secret_access_key` go together",
+                ));
+            }
+        };
+        let encryption = match store.encryption_key {
+            Some(hex) => Some(
+                EncryptionKey::from_hex(&hex).map_err(|e| ConfigError::Invalid {
+                    source_name: source_name.to_owned(),
+                    field: "store.encryption_key",
+                    reason: e.to_string(),
+                })?,
+            ),
+            None => EncryptionKey::from_env().map_err(|e| ConfigError::Invalid {
+                source_name: source_name.to_owned(),
+                field: "store.encryption_key",
+                reason: e.to_string(),
+            })?,
+        };
+        let input = match pipeline.input {
+            InputSection::Generated {
+                words_per_source,
+                vocabulary,
+                seed,
+            } => {
+                if vocabulary == 0 {
+                    return Err(invalid("pipeline.input.vocabulary", "must be at least 1"));
+                }
+                WordInput::Generated {
+                    words_per_source,
+                    vocabulary,
+                    seed,
+                }
+            }
+            InputSection::Files { paths } => {
+                if paths.len() != pipeline.sources as usize {
+                    return Err(invalid(
+                        "pipeline.input.paths",
+                        &format!(
+                            "lists {} files for {} sources (one file per source)",
+                            paths.len(),
+                            pipeline.sources
+                        ),
+                    ));
+                }
+                WordInput::Files { paths }
+            }
+            InputSection::Log { dirs } => {
+                if dirs.len() != pipeline.sources as usize {
+                    return Err(invalid(
+                        "pipeline.input.dirs",
+                        &format!(
+                            "lists {} directories for {} sources (one log per source)",
+                            dirs.len(),
+                            pipeline.sources
+                        ),
+                    ));
+                }
+                WordInput::Log { dirs }
+            }
+        };
+        let mut config = JobConfig::new(&job.work_dir);
+        config.stream = StreamId(job.stream);
+        config.store = store.uri;
+        config.store_options = StoreOptions {
+            s3_credentials,
+            encryption,
+            parallelism: store.parallelism,
+            part_size: store.part_size_mib << 20,
+            timeout: store.timeout,
+            io_timeout: store.io_timeout,
+            ..StoreOptions::default()
+        };
+        config.checkpoint_interval = job.checkpoint_interval;
+        config.checkpoint_timeout = job.checkpoint_timeout;
+        config.tolerable_failures = job.tolerable_failures;
+        config.retention = Retention {
+            keep_last: retention.keep_last,
+            grace: retention.grace,
+            ..Retention::default()
+        };
+        config.max_parallelism = job.max_parallelism;
+        config.state = StateConfig {
+            compression: state.compression.into(),
+            bottommost_compression: state.bottommost_compression.into(),
+            block_cache_bytes: state.block_cache_mib << 20,
+            write_buffer_bytes: state.write_buffer_mib << 20,
+            cache_budget_bytes: state.cache_budget_mib << 20,
+            bloom_bits_per_key: state.bloom_bits_per_key,
+            background_jobs: state.background_jobs,
+        };
+        config.lease_ttl = job.lease_ttl;
+        config.metrics_listen = metrics.listen;
+        let pipeline = WordCount {
+            sources: pipeline.sources,
+            aggregators: pipeline.aggregators,
+            input,
+            output: pipeline
+                .output
+                .unwrap_or_else(|| job.work_dir.join("output")),
+        };
+        Ok(Job { config, pipeline })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_is_the_documented_defaults() {
+        let job = Job::from_toml("", "t").unwrap();
+        assert_eq!(job.config.work_dir, PathBuf::from("./stillpoint-data"));
+        assert_eq!(job.config.checkpoint_interval, Duration::from_secs(1));
+        assert_eq!(job.config.max_parallelism, 128);
+        assert_eq!(job.config.state, StateConfig::default());
+        assert_eq!(job.config.retention.keep_last, 3);
+        assert_eq!(job.config.metrics_listen, None);
+        assert_eq!(job.pipeline.sources, 2);
+        assert_eq!(job.pipeline.aggregators, 3);
+        assert_eq!(
+            job.pipeline.output,
+            PathBuf::from("./stillpoint-data/output")
+        );
+        assert!(matches!(
+            job.pipeline.input,
+            WordInput::Generated {
+                words_per_source: 1_000_000,
+                vocabulary: 1_000,
+                seed: 42
+            }
+        ));
+    }
+
+    #[test]
+    fn every_section_is_read() {
+        let job = Job::from_toml(
+            r#"
+[job]
+work_dir = "/tmp/x"
+checkpoint_interval = "250ms"
+max_parallelism = 64
+[store]
+uri = "s3://bucket/jobs?endpoint=http://127.0.0.1:8333"
+access_key_id = "id"
+secret_access_key = "secret"
+part_size_mib = 16
+[retention]
+keep_last = 5
+[state]
+compression = "none"
+cache_budget_mib = 32
+[metrics]
+listen = "127.0.0.1:9464"
+[pipeline]
+sources = 1
+aggregators = 4
+input = { kind = "files", paths = ["in.txt"] }
+"#,
+            "t",
+        )
+        .unwrap();
+        assert_eq!(job.config.checkpoint_interval, Duration::from_millis(250));
+        assert_eq!(job.config.max_parallelism, 64);
+        assert_eq!(job.config.store_options.part_size, 16 << 20);
+        assert!(job.config.store_options.s3_credentials.is_some());
+        assert_eq!(job.config.retention.keep_last, 5);
+        assert_eq!(job.config.state.compression, Compression::None);
+        assert_eq!(job.config.state.cache_budget_bytes, 32 << 20);
+        assert_eq!(
+            job.config.metrics_listen,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert_eq!(job.pipeline.output, PathBuf::from("/tmp/x/output"));
+        assert!(matches!(job.pipeline.input, WordInput::Files { .. }));
+    }
+
+    #[test]
+    fn bad_files_are_refused_naming_the_line_or_field() {
+        let cases = [
+            ("[job]\nwork_dir = \"a\"\nfrobnicate = 1\n", "line 3"),
+            ("[job]\ncheckpoint_interval = \"soon\"\n", "line 2"),
+            ("[jobs]\n", "unknown field `jobs`"),
+            (
+                "[job]\ncheckpoint_interval = \"0s\"\n",
+                "job.checkpoint_interval",
+            ),
+            ("[store]\naccess_key_id = \"x\"\n", "store.access_key_id"),
+            (
+                "[store]\nencryption_key = \"abc\"\n",
+                "store.encryption_key",
+            ),
+            ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
+            (
+                "[pipeline]\nsources = 2\ninput = { kind = \"files\", paths = [\"a\"] }\n",
+                "one file per source",
+            ),
+            (
+                "[pipeline]\ninput = { kind = \"kafka\" }\n",
+                "unknown variant `kafka`",
+            ),
+            ("[state]\ncompression = \"brotli\"\n", "line 2"),
+            ("[pipeline]\naggregators = 1000\n", "pipeline.aggregators"),
+        ];
+        for (text, expected) in cases {
+            let error = Job::from_toml(text, "job.toml").unwrap_err().to_string();
+            assert!(
+                error.contains(expected) && error.starts_with("job.toml"),
+                "{text:?}: {error}"
+            );
+            assert!(!error.contains('\n'), "one line: {error}");
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_a_read_error_naming_it() {
+        let error = Job::load(Path::new("/nonexistent/job.toml")).unwrap_err();
+        assert!(
+            error.to_string().contains("/nonexistent/job.toml"),
+            "{error}"
+        );
+    }
+}
