@@ -118,19 +118,9 @@ fn recovery_falls_back_past_a_corrupt_checkpoint_and_says_so() {
             .map(|id| runtime.block_on(store.checkpoint(*id)).unwrap());
         (ids, newest)
     };
-    // Crash once at least two checkpoints are committed.
-    let mut after = Duration::from_millis(200);
-    loop {
-        let outcome = run_word_count(&config, &job, Some(after));
-        assert!(
-            matches!(outcome, Err(stillpoint::EngineError::Crashed(_))),
-            "{outcome:?}"
-        );
-        if committed().0.len() >= 2 {
-            break;
-        }
-        after *= 2;
-    }
+    // A complete run leaves several retained checkpoints (30 ms interval, 3 kept).
+    run_word_count(&config, &job, None).unwrap();
+    assert!(committed().0.len() >= 2, "{:?}", committed().0);
     let (ids, newest) = committed();
     let newest = newest.unwrap();
     // Flip a byte of one task manifest of the newest checkpoint.
@@ -159,4 +149,34 @@ fn recovery_falls_back_past_a_corrupt_checkpoint_and_says_so() {
     let missing = support::missing_from(&output, &expected);
     assert_eq!(missing, 0, "{missing} lines lost");
     assert!(output.len() >= expected.len());
+}
+
+#[test]
+fn a_restore_with_other_counter_parallelism_rescales_by_key_group() {
+    for (before, after) in [(3, 2), (2, 4)] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config(dir.path());
+        let mut job = job(dir.path(), 150_000);
+        job.aggregators = before;
+        // Crash once a checkpoint is committed, then go on with another parallelism.
+        let mut crash = Duration::from_millis(250);
+        loop {
+            match run_word_count(&config, &job, Some(crash)) {
+                Err(stillpoint::EngineError::Crashed(_)) => {}
+                other => panic!("the run should have been crashed: {other:?}"),
+            }
+            if !stillpoint::checkpoint_history(&config).unwrap().is_empty() {
+                break;
+            }
+            crash *= 2;
+        }
+        job.aggregators = after;
+        let report = run_word_count(&config, &job, None).unwrap();
+        assert!(report.restored_from.is_some(), "{report:?}");
+        assert_eq!(
+            committed_output(&job),
+            expected_output(&job),
+            "{before} → {after} counters"
+        );
+    }
 }

@@ -42,6 +42,12 @@ pub enum EngineError {
     /// A task or the coordinator stopped unexpectedly.
     #[error("{0} stopped unexpectedly")]
     Stopped(String),
+    /// A node of a cluster job was lost (its connection broke).
+    #[error("node lost: {0}")]
+    NodeLost(String),
+    /// A network connection failed (cluster mode).
+    #[error("network: {0}")]
+    Net(String),
     /// Too many consecutive checkpoints failed.
     #[error("the job failed: {0}")]
     Failed(String),

@@ -3,33 +3,30 @@
 //! triggers checkpoints, commits global manifests, applies retention and decides when
 //! a bounded job is done.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, Sender};
 use serde::{Deserialize, Serialize};
 use stillpoint_backup::{
-    GcBackoff, Lease, LeaseConfig, Retention, Store, StoreError, StoreOptions, SystemClock,
-    VerifyDepth, gc,
+    GcBackoff, Lease, LeaseConfig, Retention, Store, StoreOptions, SystemClock,
 };
-use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, StateConfig, StateOwner};
-use stillpoint_task::{
-    CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, ManifestRequest,
-    RestoredCheckpoint, TaskConfig, TaskLevel, TaskMachine, Time,
-};
-use stillpoint_wire::{
-    CheckpointId, CheckpointManifest, NodeId, SnapshotManifest, SourceOffset, SourcePosition,
-    StreamId, TaskId, TaskSnapshotRef,
-};
+use stillpoint_state::{KeyGroups, StateConfig};
+use stillpoint_task::{CompletedCheckpoint, Coordinator, CoordinatorConfig, Time};
+use stillpoint_wire::{CheckpointId, CheckpointManifest, Message, NodeId, StreamId, TaskId};
 
-use crate::driver::{ExportJob, ExportOutcome, Partitioner, Role, TaskDriver, export_loop};
+use crate::build::{
+    Builder, ControlMap, Restore, Topology, Wiring, clear_live_dirs, fetch_restore,
+    is_corrupt_checkpoint, join_all, snapshots_needed,
+};
+use crate::coordinator::CoordinatorDriver;
 use crate::metrics::Metrics;
-use crate::transport::{CoordinatorInput, Links, Signals};
-use crate::{EngineError, GeneratedWords, KeyedCount, Source, TransactionalFileSink};
+use crate::transport::{Links, Signals};
+use crate::{EngineError, GeneratedWords, Source};
 
 /// Where and how a job runs and checkpoints. Every field has a default.
 #[derive(Clone, Debug)]
@@ -58,6 +55,8 @@ pub struct JobConfig {
     pub lease_ttl: Duration,
     /// Where the Prometheus metrics endpoint listens (default: off).
     pub metrics_listen: Option<SocketAddr>,
+    /// The processes of a cluster job (default: none — the job runs in one process).
+    pub cluster: Option<crate::ClusterConfig>,
 }
 
 impl JobConfig {
@@ -77,6 +76,7 @@ impl JobConfig {
             state: StateConfig::default(),
             lease_ttl: Duration::from_secs(60),
             metrics_listen: None,
+            cluster: None,
         }
     }
 
@@ -149,8 +149,18 @@ impl WordCount {
         }
     }
 
+    /// Refuses a word count that cannot run.
+    pub(crate) fn check(&self) -> Result<(), EngineError> {
+        if self.sources == 0 || self.aggregators == 0 {
+            return Err(EngineError::Invalid(
+                "a word count needs at least one source and one counter".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The source of task index `index`.
-    fn source(&self, index: u32) -> Result<Box<dyn Source>, EngineError> {
+    pub(crate) fn source(&self, index: u32) -> Result<Box<dyn Source>, EngineError> {
         let pick = |list: &[PathBuf], what: &str| {
             list.get(index as usize).cloned().ok_or_else(|| {
                 EngineError::Invalid(format!(
@@ -281,32 +291,6 @@ pub struct JobReport {
     pub checkpoints: Vec<CheckpointStats>,
 }
 
-struct Topology {
-    sources: Vec<TaskId>,
-    aggregators: Vec<TaskId>,
-    sinks: Vec<TaskId>,
-}
-
-impl Topology {
-    fn of(job: &WordCount) -> Self {
-        let ids = |from: u32, n: u32| (from..from + n).map(TaskId).collect::<Vec<_>>();
-        Self {
-            sources: ids(1, job.sources),
-            aggregators: ids(1 + job.sources, job.aggregators),
-            sinks: ids(1 + job.sources + job.aggregators, job.aggregators),
-        }
-    }
-
-    fn all(&self) -> Vec<TaskId> {
-        self.sources
-            .iter()
-            .chain(&self.aggregators)
-            .chain(&self.sinks)
-            .copied()
-            .collect()
-    }
-}
-
 const NODE: NodeId = NodeId(1);
 
 /// Runs the word count until every source is exhausted and a checkpoint covering all
@@ -332,52 +316,35 @@ pub fn run_word_count(
 /// Runs the word count until its bounded sources are exhausted and a checkpoint
 /// covering all of it has completed, or until `options.stop` is pulled and one more
 /// checkpoint has completed; restores from the store's newest verified checkpoint
-/// first.
+/// first (falling back past any that do not verify, and rescaling the counters when
+/// their parallelism changed).
 pub fn run(
     config: &JobConfig,
     job: &WordCount,
     mut options: RunOptions,
 ) -> Result<JobReport, EngineError> {
-    let crash_after = options.crash_after;
-    if job.sources == 0 || job.aggregators == 0 {
-        return Err(EngineError::Invalid(
-            "a word count needs at least one source and one counter".to_owned(),
-        ));
-    }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| EngineError::io("start", "tokio runtime", &e))?;
+    job.check()?;
+    let runtime = runtime()?;
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
-    let lease_config = LeaseConfig {
-        ttl: config.lease_ttl,
-        settle: Duration::from_millis(50),
-        reclaim_own: true,
-        ..LeaseConfig::default()
-    };
     let lease = runtime.block_on(Lease::acquire_job(
         &store,
-        lease_config,
+        lease_config(config),
         Arc::new(SystemClock),
     ))?;
 
-    let mut report = JobReport::default();
-    let (restored, mut downloads) =
-        match runtime.block_on(restore_point(&store, &config.work_dir, &mut report))? {
-            Some((manifest, downloads)) => (Some(manifest), downloads),
-            None => (None, BTreeMap::new()),
-        };
-    report.restored_from = restored.as_ref().map(|m| m.checkpoint);
-    let highest_seen = runtime
-        .block_on(store.checkpoints())?
-        .iter()
-        .map(|l| l.id)
-        .max()
-        .unwrap_or(CheckpointId(0));
-
     let topology = Topology::of(job);
     let groups = KeyGroups::new(config.max_parallelism)?;
+    let mut report = JobReport::default();
+    let restore = runtime.block_on(restore_point(
+        &store,
+        &config.work_dir,
+        &mut report,
+        &BTreeSet::new(),
+        |manifest| snapshots_needed(manifest, &topology, &topology.all(), groups),
+    ))?;
+    report.restored_from = restore.as_ref().map(|r| r.manifest.checkpoint);
+    let highest_seen = highest_checkpoint(&runtime, &store)?;
+
     let signals = Arc::new(Signals::default());
     let epoch = Instant::now();
     let metrics = Arc::new(Metrics::new(&topology.all()));
@@ -397,22 +364,12 @@ pub fn run(
     };
 
     // Channels: data per edge (bounded: backpressure), control per task.
-    let mut data_rx: BTreeMap<TaskId, Vec<(TaskId, Receiver<stillpoint_wire::Message>)>> =
-        BTreeMap::new();
-    let mut data_tx: BTreeMap<TaskId, BTreeMap<TaskId, crossbeam_channel::Sender<_>>> =
-        BTreeMap::new();
-    let mut edge = |from: TaskId, to: TaskId| {
-        let (tx, rx) = crossbeam_channel::bounded(64);
-        data_tx.entry(from).or_default().insert(to, tx);
-        data_rx.entry(to).or_default().push((from, rx));
-    };
-    for source in &topology.sources {
-        for aggregator in &topology.aggregators {
-            edge(*source, *aggregator);
-        }
-    }
-    for (aggregator, sink) in topology.aggregators.iter().zip(&topology.sinks) {
-        edge(*aggregator, *sink);
+    let mut inputs: BTreeMap<TaskId, Vec<(TaskId, Receiver<Message>)>> = BTreeMap::new();
+    let mut outputs: BTreeMap<TaskId, BTreeMap<TaskId, Sender<Message>>> = BTreeMap::new();
+    for (from, to) in topology.edges() {
+        let (tx, rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+        outputs.entry(from).or_default().insert(to, tx);
+        inputs.entry(to).or_default().push((from, rx));
     }
     let mut control_rx = BTreeMap::new();
     let mut control_tx = BTreeMap::new();
@@ -421,169 +378,46 @@ pub fn run(
         control_tx.insert(task, tx);
         control_rx.insert(task, rx);
     }
-    let control_tx = Arc::new(control_tx);
+    let control_tx: ControlMap = Arc::new(control_tx);
     let (coordinator_tx, coordinator_rx) = crossbeam_channel::unbounded();
 
-    // Local directories: live databases and snapshots start empty each run; restore
-    // downloads are kept, so files that still verify are not fetched again.
-    for dir in ["db", "snapshots"] {
-        let path = config.work_dir.join(dir);
-        match std::fs::remove_dir_all(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(EngineError::io("clear", &path, &e)),
+    clear_live_dirs(&config.work_dir)?;
+    if let Some(restore) = &restore {
+        if !restore.same_shape(&topology) {
+            crate::pipeline::recover_transactions(&job.output, restore.manifest.checkpoint)?;
         }
     }
-
-    let mut threads = Vec::new();
+    let builder = Builder {
+        config,
+        job,
+        topology: &topology,
+        groups,
+        store: &store,
+        runtime: runtime.handle().clone(),
+        epoch,
+        node: NODE,
+        metrics: &metrics,
+        restore: restore.as_ref(),
+    };
+    let mut spawned = Vec::new();
     for task in topology.all() {
-        let level = if topology.sources.contains(&task) {
-            TaskLevel::Source
-        } else if topology.aggregators.contains(&task) {
-            TaskLevel::Aggregate
-        } else {
-            TaskLevel::Sink
-        };
-        let index = |list: &[TaskId]| {
-            u32::try_from(list.iter().position(|t| *t == task).unwrap_or(0)).unwrap_or(0)
-        };
-        let (range, downstreams, partitioner) = match level {
-            TaskLevel::Source => (
-                groups.all(),
-                topology.aggregators.clone(),
-                Partitioner::by_key_group(groups, job.aggregators)?,
-            ),
-            TaskLevel::Aggregate => {
-                let i = index(&topology.aggregators);
-                let sink = topology.sinks.get(i as usize).copied().unwrap_or(task);
-                (
-                    groups.range_of(job.aggregators, i)?,
-                    vec![sink],
-                    Partitioner::Forward,
-                )
-            }
-            TaskLevel::Sink => {
-                let i = index(&topology.sinks);
-                (
-                    groups.range_of(job.aggregators, i)?,
-                    Vec::new(),
-                    Partitioner::Forward,
-                )
-            }
-        };
-        let upstreams: Vec<TaskId> = data_rx
-            .get(&task)
-            .map(|inputs| inputs.iter().map(|(u, _)| *u).collect())
-            .unwrap_or_default();
-        let owner = StateOwner {
-            stream: config.stream,
-            task,
-        };
-        let db_dir = config
-            .work_dir
-            .join("db")
-            .join(format!("task-{}", task.get()));
-        let backend = match downloads.remove(&task) {
-            Some((snapshot, download)) => RocksStateBackend::restore(
-                &download,
-                &snapshot,
-                &db_dir,
-                config.state.clone(),
-                groups,
-                owner,
-            )?,
-            None => RocksStateBackend::open(&db_dir, config.state.clone(), groups, range, owner)?,
-        };
-        let state = CachedState::new(backend);
-        let restored_checkpoint = restored.as_ref().map(|m| RestoredCheckpoint {
-            checkpoint: m.checkpoint,
-            trans: m.trans,
-            kind: m.kind,
-            source_offset: m.source_offset(task).cloned(),
-        });
-        let role = match level {
-            TaskLevel::Source => {
-                let mut source = job.source(index(&topology.sources))?;
-                source.seek(
-                    restored_checkpoint
-                        .as_ref()
-                        .and_then(|r| r.source_offset.as_ref()),
-                )?;
-                Role::Source(source)
-            }
-            TaskLevel::Aggregate => Role::Operator(Box::new(KeyedCount)),
-            TaskLevel::Sink => {
-                let mut sink = TransactionalFileSink::new(&job.output, task);
-                crate::Sink::recover(
-                    &mut sink,
-                    restored_checkpoint.as_ref().map(|r| r.checkpoint),
-                )?;
-                Role::Sink(Box::new(sink))
-            }
-        };
-        let task_config = TaskConfig::new(config.stream, task, NODE, level)
-            .upstreams(upstreams)
-            .downstreams(downstreams.clone());
-        let machine = TaskMachine::new(task_config, restored_checkpoint)?;
-        let links = Links {
-            data: data_tx.remove(&task).unwrap_or_default(),
-            control: Arc::clone(&control_tx),
-            coordinator: coordinator_tx.clone(),
-            signals: Arc::clone(&signals),
-        };
-        let (export_tx, export_rx) = crossbeam_channel::unbounded::<ExportJob>();
-        let (exported_tx, exported_rx) = crossbeam_channel::unbounded::<ExportOutcome>();
-        let exporter = {
-            let store = store.clone();
-            let handle = runtime.handle().clone();
-            std::thread::Builder::new()
-                .name(format!("export-{}", task.get()))
-                .spawn(move || export_loop(export_rx, exported_tx, store, handle, NODE))
-                .map_err(|e| EngineError::io("spawn", "export thread", &e))?
-        };
-        let mut driver = TaskDriver::new(
-            config.stream,
-            task,
-            machine,
-            role,
-            state,
-            data_rx.remove(&task).unwrap_or_default(),
-            control_rx
+        let wiring = Wiring {
+            inputs: inputs.remove(&task).unwrap_or_default(),
+            control: control_rx
                 .remove(&task)
                 .ok_or_else(|| EngineError::Invalid(format!("{task} has no control channel")))?,
-            export_tx,
-            exported_rx,
-            links,
-            downstreams,
-            partitioner,
-            config
-                .work_dir
-                .join("snapshots")
-                .join(format!("task-{}", task.get())),
-            epoch,
-        );
-        driver.records = metrics.records_of(task);
-        let failures = coordinator_tx.clone();
-        let worker = std::thread::Builder::new()
-            .name(format!("task-{}", task.get()))
-            .spawn(move || {
-                let outcome = driver.run();
-                if let Err(error) = &outcome {
-                    if !matches!(error, EngineError::Crashed(_) | EngineError::Stopped(_)) {
-                        let _closed = failures.send(CoordinatorInput::TaskFailed {
-                            task,
-                            error: error.to_string(),
-                        });
-                    }
-                }
-                outcome
-            })
-            .map_err(|e| EngineError::io("spawn", "task thread", &e))?;
-        threads.push((task, worker, exporter));
+            links: Links {
+                data: outputs.remove(&task).unwrap_or_default(),
+                control: Arc::clone(&control_tx),
+                coordinator: coordinator_tx.clone(),
+                signals: Arc::clone(&signals),
+            },
+        };
+        spawned.push(builder.spawn(task, wiring, coordinator_tx.clone())?);
     }
     drop(coordinator_tx);
 
-    if let Some(after) = crash_after {
+    if let Some(after) = options.crash_after {
         let signals = Arc::clone(&signals);
         std::thread::spawn(move || {
             std::thread::sleep(after);
@@ -591,60 +425,47 @@ pub fn run(
         });
     }
 
-    let coordinator = Coordinator::new(
-        CoordinatorConfig {
-            interval: config.checkpoint_interval,
-            timeout: config.checkpoint_timeout,
-            tolerable_failures: config.tolerable_failures,
-            ..CoordinatorConfig::new(config.stream, topology.sources.clone(), topology.all())
-        },
-        Time::ZERO,
-        restored.as_ref().map(|m| m.checkpoint),
-        CheckpointId(highest_seen.get() + 1),
-    )?;
-    let mut driver = CoordinatorDriver {
-        coordinator,
-        store: store.clone(),
-        lease,
-        runtime: &runtime,
-        control: Arc::clone(&control_tx),
-        inputs: coordinator_rx,
-        signals: Arc::clone(&signals),
-        epoch,
-        config,
-        sources: topology.sources.clone(),
-        finished: BTreeMap::new(),
-        offsets: BTreeMap::new(),
-        backoff: GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60)),
-        report: &mut report,
-        metrics: Arc::clone(&metrics),
-        stop: options.stop.clone(),
-        stop_after: None,
-        on_checkpoint: options.on_checkpoint.take(),
+    let routes = Arc::clone(&control_tx);
+    let (outcome, lease) = {
+        let mut driver = CoordinatorDriver {
+            coordinator: coordinator_machine(
+                config,
+                &topology,
+                report.restored_from,
+                highest_seen,
+            )?,
+            store: store.clone(),
+            lease,
+            runtime: &runtime,
+            control: Box::new(move |task, message| {
+                if let Some(channel) = routes.get(&task) {
+                    let _closed = channel.send(message);
+                }
+            }),
+            inputs: coordinator_rx,
+            signals: Arc::clone(&signals),
+            epoch,
+            config,
+            sources: topology.sources.clone(),
+            finished: BTreeMap::new(),
+            offsets: BTreeMap::new(),
+            backoff: gc_backoff(),
+            report: &mut report,
+            metrics: Arc::clone(&metrics),
+            stop: options.stop.clone(),
+            stop_after: None,
+            on_checkpoint: options.on_checkpoint.take(),
+            stash: Vec::new(),
+        };
+        let outcome = driver.run();
+        (outcome, driver.lease)
     };
-    let outcome = driver.run();
-    let lease = driver.lease;
     if outcome.is_ok() {
         signals.stop();
     } else {
         signals.crash();
     }
-    let mut first_error = None;
-    for (task, worker, exporter) in threads {
-        match worker.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                if !matches!(error, EngineError::Crashed(_) | EngineError::Stopped(_)) {
-                    tracing::error!(%task, %error, "task failed");
-                    first_error.get_or_insert(error);
-                }
-            }
-            Err(_) => {
-                first_error.get_or_insert(EngineError::Stopped(format!("{task} panicked")));
-            }
-        }
-        let _joined = exporter.join();
-    }
+    let first_error = join_all(spawned);
     if let Some(handle) = metrics_thread {
         let _joined = handle.join();
     }
@@ -663,23 +484,85 @@ pub fn run(
     Ok(report)
 }
 
-/// Finds the checkpoint to restore: the newest committed one whose files are all
-/// present and whose every task snapshot downloads and verifies (into
-/// `work_dir/restore/task-N`, reusing local files that match). A newer checkpoint
-/// that fails is recorded in `report.fell_back_from` and logged; an unreachable store
-/// is an error, never a reason to fall back.
-async fn restore_point(
+/// Capacity of one data channel, in messages (each a batch of records).
+pub(crate) const DATA_CHANNEL_CAPACITY: usize = 64;
+
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, EngineError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| EngineError::io("start", "tokio runtime", &e))
+}
+
+pub(crate) fn lease_config(config: &JobConfig) -> LeaseConfig {
+    LeaseConfig {
+        ttl: config.lease_ttl,
+        settle: Duration::from_millis(50),
+        reclaim_own: true,
+        ..LeaseConfig::default()
+    }
+}
+
+pub(crate) fn gc_backoff() -> GcBackoff {
+    GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60))
+}
+
+/// The highest checkpoint id the store has seen (committed or not): new ids start
+/// above it, so an id is never reused.
+pub(crate) fn highest_checkpoint(
+    runtime: &tokio::runtime::Runtime,
+    store: &Store,
+) -> Result<CheckpointId, EngineError> {
+    Ok(runtime
+        .block_on(store.checkpoints())?
+        .iter()
+        .map(|l| l.id)
+        .max()
+        .unwrap_or(CheckpointId(0)))
+}
+
+pub(crate) fn coordinator_machine(
+    config: &JobConfig,
+    topology: &Topology,
+    restored: Option<CheckpointId>,
+    highest_seen: CheckpointId,
+) -> Result<Coordinator, EngineError> {
+    Ok(Coordinator::new(
+        CoordinatorConfig {
+            interval: config.checkpoint_interval,
+            timeout: config.checkpoint_timeout,
+            tolerable_failures: config.tolerable_failures,
+            ..CoordinatorConfig::new(config.stream, topology.sources.clone(), topology.all())
+        },
+        Time::ZERO,
+        restored,
+        CheckpointId(highest_seen.get() + 1),
+    )?)
+}
+
+/// Finds the checkpoint to restore: the newest committed one (not in `skip`) whose
+/// files are all present and whose snapshots `wanted` download and verify. A newer
+/// checkpoint that fails is recorded in `report.fell_back_from` and logged; an
+/// unreachable store or an impossible restore is an error, never a reason to fall
+/// back.
+pub(crate) async fn restore_point(
     store: &Store,
     work_dir: &std::path::Path,
     report: &mut JobReport,
-) -> Result<Option<RestorePoint>, EngineError> {
+    skip: &BTreeSet<CheckpointId>,
+    wanted: impl Fn(&CheckpointManifest) -> Result<Vec<TaskId>, EngineError>,
+) -> Result<Option<Restore>, EngineError> {
     for id in store.committed_ids().await?.into_iter().rev() {
-        match try_restore_point(store, work_dir, id).await {
-            Ok(point) => {
+        if skip.contains(&id) {
+            continue;
+        }
+        match fetch_restore(store, work_dir, id, &wanted).await {
+            Ok(restore) => {
                 tracing::info!(checkpoint = %id, "restoring");
-                return Ok(Some(point));
+                return Ok(Some(restore));
             }
-            Err(error) if error.is_unavailable() => return Err(error.into()),
+            Err(error) if !is_corrupt_checkpoint(&error) => return Err(error),
             Err(error) => {
                 tracing::warn!(checkpoint = %id, %error, "checkpoint does not verify; falling back to an older one");
                 report.fell_back_from.push(FallBack {
@@ -692,40 +575,6 @@ async fn restore_point(
     Ok(None)
 }
 
-type RestorePoint = (
-    CheckpointManifest,
-    BTreeMap<TaskId, (SnapshotManifest, PathBuf)>,
-);
-
-async fn try_restore_point(
-    store: &Store,
-    work_dir: &std::path::Path,
-    id: CheckpointId,
-) -> Result<RestorePoint, StoreError> {
-    let verified = store.verify(id, VerifyDepth::Presence, &()).await?;
-    if let Some(problem) = verified.problems.first() {
-        return Err(StoreError::Corrupt {
-            path: problem.object.clone(),
-            problem: format!("{problem} ({} problem(s) in all)", verified.problems.len()),
-        });
-    }
-    let manifest = store.checkpoint(id).await?;
-    let mut downloads = BTreeMap::new();
-    for reference in &manifest.tasks {
-        let snapshot = store.task_manifest(reference).await?;
-        let dir = work_dir
-            .join("restore")
-            .join(format!("task-{}", reference.task.get()));
-        // Anything left there from another checkpoint is replaced.
-        if dir.exists() {
-            clear_extra_files(&dir, &snapshot)?;
-        }
-        store.download_snapshot(&snapshot, &dir, &()).await?;
-        downloads.insert(reference.task, (snapshot, dir));
-    }
-    Ok((manifest, downloads))
-}
-
 /// The statistics of every checkpoint the job's store has kept, oldest first.
 pub fn checkpoint_history(config: &JobConfig) -> Result<Vec<CheckpointStats>, EngineError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -735,285 +584,4 @@ pub fn checkpoint_history(config: &JobConfig) -> Result<Vec<CheckpointStats>, En
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
     let stats = runtime.block_on(store.stats::<CheckpointStats>())?;
     Ok(stats.into_iter().map(|(_, s)| s).collect())
-}
-
-/// Removes files of a previous restore that the snapshot about to be downloaded does
-/// not list (a restore directory must hold exactly the snapshot's files).
-fn clear_extra_files(dir: &std::path::Path, snapshot: &SnapshotManifest) -> Result<(), StoreError> {
-    let local =
-        |operation: &'static str, path: &std::path::Path, e: &std::io::Error| StoreError::Local {
-            operation,
-            path: path.to_path_buf(),
-            message: e.to_string(),
-            kind: e.kind(),
-        };
-    let keep: std::collections::BTreeSet<&str> =
-        snapshot.files.iter().map(|f| f.path.as_str()).collect();
-    let entries = std::fs::read_dir(dir).map_err(|e| local("list", dir, &e))?;
-    for entry in entries.filter_map(Result::ok) {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !keep.contains(name.as_str()) {
-            let path = entry.path();
-            let removed = if path.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            removed.map_err(|e| local("remove", &path, &e))?;
-        }
-    }
-    Ok(())
-}
-
-struct CoordinatorDriver<'a> {
-    coordinator: Coordinator,
-    store: Store,
-    lease: Lease,
-    runtime: &'a tokio::runtime::Runtime,
-    control: Arc<BTreeMap<TaskId, crossbeam_channel::Sender<stillpoint_wire::Message>>>,
-    inputs: Receiver<CoordinatorInput>,
-    signals: Arc<Signals>,
-    epoch: Instant,
-    config: &'a JobConfig,
-    sources: Vec<TaskId>,
-    finished: BTreeMap<TaskId, SourceOffset>,
-    offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
-    backoff: GcBackoff,
-    report: &'a mut JobReport,
-    metrics: Arc<Metrics>,
-    stop: StopHandle,
-    /// Once a stop was requested: the newest checkpoint already triggered then; the
-    /// job ends when a later one completes.
-    stop_after: Option<CheckpointId>,
-    on_checkpoint: Option<CheckpointCallback>,
-}
-
-impl CoordinatorDriver<'_> {
-    fn now(&self) -> Time {
-        Time::from_duration(self.epoch.elapsed())
-    }
-
-    fn run(&mut self) -> Result<(), EngineError> {
-        let span = tracing::info_span!("coordinator", stream = %self.config.stream);
-        let _entered = span.enter();
-        loop {
-            if self.signals.crashed() {
-                return Err(EngineError::Crashed("coordinator".to_owned()));
-            }
-            let now = self.now();
-            let wait = self
-                .coordinator
-                .poll_timeout()
-                .map_or(Duration::from_millis(20), |t| {
-                    t.saturating_since(now).min(Duration::from_millis(20))
-                });
-            match self.inputs.recv_timeout(wait) {
-                Ok(CoordinatorInput::Message(message)) => {
-                    if let Err(error) = self.coordinator.handle_message(self.now(), &message) {
-                        tracing::warn!(%error, "coordinator refused a message");
-                    }
-                }
-                Ok(CoordinatorInput::SourceFinished { task, offset }) => {
-                    self.finished.insert(task, offset);
-                }
-                Ok(CoordinatorInput::TaskFailed { task, error }) => {
-                    return Err(EngineError::Failed(format!("{task}: {error}")));
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    if self.signals.crashed() {
-                        return Err(EngineError::Crashed("coordinator".to_owned()));
-                    }
-                    return Err(EngineError::Stopped("every task".to_owned()));
-                }
-            }
-            if self.stop_after.is_none() && self.stop.requested() {
-                let newest = self
-                    .coordinator
-                    .in_flight()
-                    .max()
-                    .or(self.coordinator.last_completed())
-                    .unwrap_or(CheckpointId(0));
-                tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
-                self.stop_after = Some(newest);
-            }
-            let now = self.now();
-            if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
-                self.coordinator.handle_timeout(now);
-            }
-            if self.apply()? {
-                return Ok(());
-            }
-            if self.lease.needs_refresh() {
-                self.runtime.block_on(self.lease.refresh())?;
-            }
-        }
-    }
-
-    /// Carries out the coordinator's actions; `true` once the job is done.
-    fn apply(&mut self) -> Result<bool, EngineError> {
-        let mut done = false;
-        while let Some(action) = self.coordinator.poll_action() {
-            match action {
-                CoordinatorAction::Send(message) => {
-                    let task = match &message {
-                        stillpoint_wire::Message::CheckpointSource(m) => m.task,
-                        stillpoint_wire::Message::CheckpointComplete(m) => m.task,
-                        stillpoint_wire::Message::CheckpointAbort(m) => m.task,
-                        other => {
-                            tracing::warn!(kind = ?other.kind(), "coordinator sent an unexpected message");
-                            continue;
-                        }
-                    };
-                    if let Some(channel) = self.control.get(&task) {
-                        let _closed = channel.send(message);
-                    }
-                }
-                CoordinatorAction::WriteManifest(request) => {
-                    let checkpoint = request.checkpoint;
-                    let outcome = self.commit(&request);
-                    let now = self.now();
-                    match outcome {
-                        Ok(millis) => {
-                            self.coordinator
-                                .handle_manifest_written(now, checkpoint, Ok(millis))
-                        }
-                        Err(error) => {
-                            tracing::warn!(%checkpoint, %error, "global manifest not written");
-                            if matches!(
-                                error,
-                                EngineError::Store(stillpoint_backup::StoreError::LeaseLost { .. })
-                            ) {
-                                return Err(error);
-                            }
-                            self.coordinator.handle_manifest_written(
-                                now,
-                                checkpoint,
-                                Err(error.to_string()),
-                            );
-                        }
-                    }
-                }
-                CoordinatorAction::Completed(completed) => {
-                    let stats = CheckpointStats::from(&completed);
-                    tracing::info!(
-                        checkpoint = %completed.checkpoint,
-                        duration_ms = stats.duration_millis,
-                        stall_us = stats.max_sync_micros,
-                        uploaded = stats.uploaded_bytes,
-                        state = stats.state_bytes,
-                        "checkpoint complete"
-                    );
-                    if let Err(error) = self
-                        .runtime
-                        .block_on(self.store.put_stats(completed.checkpoint, &stats))
-                    {
-                        tracing::warn!(%error, "checkpoint statistics not stored");
-                    }
-                    self.metrics.checkpoint_completed(&stats);
-                    if let Some(tell) = &mut self.on_checkpoint {
-                        tell(&stats);
-                    }
-                    self.report.checkpoints.push(stats);
-                    self.collect_garbage();
-                    done |= self
-                        .stop_after
-                        .is_some_and(|after| completed.checkpoint > after);
-                    let covered = self.offsets.get(&completed.checkpoint);
-                    done |= self.finished.len() == self.sources.len()
-                        && covered.is_some_and(|offsets| *offsets == self.finished);
-                    self.offsets.retain(|id, _| *id > completed.checkpoint);
-                }
-                CoordinatorAction::Aborted { checkpoint, reason } => {
-                    self.metrics.checkpoint_aborted();
-                    tracing::warn!(%checkpoint, ?reason, "checkpoint aborted");
-                }
-                CoordinatorAction::FailJob {
-                    consecutive_failures,
-                    last,
-                } => {
-                    return Err(EngineError::Failed(format!(
-                        "{consecutive_failures} consecutive checkpoints failed, the last: {last:?}"
-                    )));
-                }
-            }
-        }
-        Ok(done)
-    }
-
-    /// Writes the global manifest; the commit time on success.
-    fn commit(&mut self, request: &ManifestRequest) -> Result<u64, EngineError> {
-        let created_at_millis = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let manifest = CheckpointManifest {
-            stream: self.config.stream,
-            checkpoint: request.checkpoint,
-            trans: request.trans,
-            kind: request.kind,
-            created_at_millis,
-            max_parallelism: self.config.max_parallelism,
-            tasks: request
-                .tasks
-                .iter()
-                .map(|t| TaskSnapshotRef {
-                    task: t.task,
-                    node: t.node,
-                    manifest: t.report.manifest.clone(),
-                    sha256: t.report.manifest_sha256,
-                    state_bytes: t.report.state_bytes,
-                })
-                .collect(),
-            sources: request
-                .tasks
-                .iter()
-                .filter_map(|t| {
-                    t.report.source_offset.clone().map(|offset| SourcePosition {
-                        task: t.task,
-                        offset,
-                    })
-                })
-                .collect(),
-        };
-        self.runtime
-            .block_on(self.store.commit(&manifest, &self.lease))?;
-        self.offsets.insert(
-            request.checkpoint,
-            manifest
-                .sources
-                .iter()
-                .map(|s| (s.task, s.offset.clone()))
-                .collect(),
-        );
-        Ok(created_at_millis)
-    }
-
-    fn collect_garbage(&mut self) {
-        let now_millis = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if !self.backoff.ready(now_millis) {
-            return;
-        }
-        let run = gc::collect(
-            &self.store,
-            &self.config.retention,
-            &self.lease,
-            SystemTime::now(),
-        );
-        match self.runtime.block_on(run) {
-            Ok(report) => {
-                self.backoff.succeeded();
-                if !report.plan.is_empty() {
-                    tracing::debug!(
-                        expired = report.plan.expired.len(),
-                        orphans = report.orphans_deleted,
-                        "retention applied"
-                    );
-                }
-            }
-            Err(error) => {
-                let wait = self.backoff.failed(now_millis);
-                tracing::warn!(%error, ?wait, "garbage collection failed; backing off");
-            }
-        }
-    }
 }

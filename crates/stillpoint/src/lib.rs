@@ -34,16 +34,21 @@
     )
 )]
 
+mod build;
+mod cluster;
 mod config;
+mod coordinator;
 mod driver;
 mod error;
 mod job;
 mod metrics;
+mod net;
 mod pipeline;
 mod record;
 mod sources;
 mod transport;
 
+pub use cluster::{ClusterConfig, run_coordinator, run_node};
 pub use config::{ConfigError, Job};
 pub use error::EngineError;
 pub use job::{
@@ -51,9 +56,10 @@ pub use job::{
     WordCount, WordInput, checkpoint_history, run, run_word_count,
 };
 pub use metrics::Metrics;
+pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};
 pub use pipeline::{
     COUNTS, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll, TransactionalFileSink,
-    read_committed,
+    read_committed, recover_transactions,
 };
 pub use record::{BatchError, Record, decode_batch, encode_batch};
 pub use sources::{FileLines, LogDir, MAX_LINE_BYTES};

@@ -279,6 +279,43 @@ impl Sink for TransactionalFileSink {
     }
 }
 
+/// After a restore that changed the sinks (a rescale): publishes every task's
+/// pre-committed transactions up to `restored` and rolls back every later one,
+/// whichever task wrote them.
+pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), EngineError> {
+    let pending = dir.join("pending");
+    let entries = match std::fs::read_dir(&pending) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(EngineError::io("list", &pending, &e)),
+    };
+    let committed = dir.join("committed");
+    std::fs::create_dir_all(&committed).map_err(|e| EngineError::io("create", &committed, &e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(id) = name
+            .split_once("-task-")
+            .and_then(|(id, _)| id.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        let path = entry.path();
+        let done = if id <= restored.get() {
+            std::fs::rename(&path, committed.join(&name))
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match done {
+            Ok(()) => {}
+            // Another process recovering the same directory got there first.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(EngineError::io("recover", &path, &e)),
+        }
+    }
+    sync_dir(&committed)
+}
+
 /// Every line a [`TransactionalFileSink`] published under `dir`, as `(key, value)`.
 pub fn read_committed(dir: &Path) -> Result<Vec<(String, String)>, EngineError> {
     let committed = dir.join("committed");

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::{SendTimeoutError, Sender};
-use stillpoint_wire::{Message, SourceOffset, TaskId};
+use stillpoint_wire::{Message, NodeId, SourceOffset, TaskId};
 
 use crate::EngineError;
 
@@ -21,6 +21,23 @@ pub(crate) enum CoordinatorInput {
     SourceFinished { task: TaskId, offset: SourceOffset },
     /// A task stopped with an error.
     TaskFailed { task: TaskId, error: String },
+    /// A node connected (cluster mode); `writer` reaches it.
+    Connected {
+        node: NodeId,
+        connection: u64,
+        writer: crossbeam_channel::Sender<crate::net::Envelope>,
+    },
+    /// A node's connection to the coordinator broke (cluster mode).
+    NodeLost {
+        node: NodeId,
+        connection: u64,
+        reason: String,
+    },
+    /// A node's engine-level message (cluster mode).
+    Node {
+        node: NodeId,
+        message: crate::net::EngineMessage,
+    },
 }
 
 /// Job-wide flags every thread watches.
@@ -57,7 +74,7 @@ impl Signals {
 #[derive(Clone, Debug)]
 pub(crate) struct Links {
     pub(crate) data: BTreeMap<TaskId, Sender<Message>>,
-    pub(crate) control: Arc<BTreeMap<TaskId, Sender<Message>>>,
+    pub(crate) control: crate::build::ControlMap,
     pub(crate) coordinator: Sender<CoordinatorInput>,
     pub(crate) signals: Arc<Signals>,
 }
@@ -66,7 +83,7 @@ impl Links {
     /// Sends a message where the protocol says it goes. Data and barriers wait for room
     /// in their bounded channel (backpressure) but give up when the job halts.
     pub(crate) fn route(&self, message: Message) -> Result<(), EngineError> {
-        let control_target = match &message {
+        match &message {
             Message::Barrier(m) => return self.send_data(m.downstream, message),
             Message::Data(m) => return self.send_data(m.downstream, message),
             Message::CheckpointSourceRsp(_) | Message::CheckpointReport(_) => {
@@ -75,25 +92,22 @@ impl Links {
                 let _closed = self.coordinator.send(CoordinatorInput::Message(message));
                 return Ok(());
             }
-            Message::BarrierAck(m) => m.upstream,
-            Message::CheckpointReady(m) => m.upstream,
-            Message::RetrieveBarrier(m) => m.upstream,
-            Message::CheckpointReadyAck(m) => m.downstream,
-            Message::RetrieveBarrierRsp(m) => m.downstream,
-            Message::CheckpointSource(m) => m.task,
-            Message::CheckpointComplete(m) => m.task,
-            Message::CheckpointAbort(m) => m.task,
+            _ => {}
+        }
+        let Some(target) = control_target(&message) else {
+            return Err(EngineError::Invalid(format!(
+                "a task cannot send {:?}",
+                message.kind()
+            )));
         };
-        match self.control.get(&control_target) {
+        match self.control.get(&target) {
             Some(channel) => {
                 // Control traffic to a task that already stopped is lost, as it would be
                 // on a network; the protocol tolerates lost control messages.
                 let _closed = channel.send(message);
                 Ok(())
             }
-            None => Err(EngineError::Invalid(format!(
-                "no route to {control_target}"
-            ))),
+            None => Err(EngineError::Invalid(format!("no route to {target}"))),
         }
     }
 
@@ -118,4 +132,23 @@ impl Links {
             }
         }
     }
+}
+
+/// The task a control message is for (`None`: data, barriers and messages for the
+/// coordinator).
+pub(crate) fn control_target(message: &Message) -> Option<TaskId> {
+    Some(match message {
+        Message::BarrierAck(m) => m.upstream,
+        Message::CheckpointReady(m) => m.upstream,
+        Message::RetrieveBarrier(m) => m.upstream,
+        Message::CheckpointReadyAck(m) => m.downstream,
+        Message::RetrieveBarrierRsp(m) => m.downstream,
+        Message::CheckpointSource(m) => m.task,
+        Message::CheckpointComplete(m) => m.task,
+        Message::CheckpointAbort(m) => m.task,
+        Message::Barrier(_)
+        | Message::Data(_)
+        | Message::CheckpointSourceRsp(_)
+        | Message::CheckpointReport(_) => return None,
+    })
 }

@@ -1,0 +1,1198 @@
+//! Cluster mode: the word count split across OS processes — one coordinator process
+//! and one process per node — over TCP.
+//!
+//! Every node connects to the coordinator and says who it is. The coordinator, which
+//! holds the store's lease, waits for all nodes, picks the checkpoint to restore and
+//! starts a *generation*: each node restores its tasks (downloading their snapshots
+//! from the store), opens one connection per data edge that leaves it, and reports
+//! ready; then checkpoints run as in one process, with protocol messages carried as
+//! wire frames. A node whose connection breaks (it crashed, was killed, or its
+//! machine went away) ends the generation: the in-flight checkpoint is aborted, every
+//! other node tears its tasks down, and once the node is back a new generation
+//! restores from the newest complete checkpoint. Messages carry their generation, so
+//! nothing from a torn-down generation reaches the next one.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::BufReader;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use stillpoint_backup::{Lease, Store, SystemClock};
+use stillpoint_state::KeyGroups;
+use stillpoint_wire::{CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, TaskId};
+
+use crate::build::{
+    Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
+    is_corrupt_checkpoint, join_all, snapshots_needed,
+};
+use crate::coordinator::CoordinatorDriver;
+use crate::job::{
+    DATA_CHANNEL_CAPACITY, coordinator_machine, gc_backoff, highest_checkpoint, lease_config,
+    runtime,
+};
+use crate::metrics::Metrics;
+use crate::net::{
+    EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
+    write_envelope, writer_loop,
+};
+use crate::transport::{CoordinatorInput, Links, Signals, control_target};
+use crate::{EngineError, FallBack, JobConfig, JobReport, RunOptions, WordCount};
+
+/// Where the processes of a cluster job listen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// The coordinator's address; nodes connect to it.
+    pub coordinator: SocketAddr,
+    /// Node `i + 1` listens at `nodes[i]` for the edge connections of other nodes.
+    pub nodes: Vec<SocketAddr>,
+    /// How long a node keeps trying to reach the coordinator or a peer (default 60 s).
+    pub connect_timeout: Duration,
+}
+
+impl ClusterConfig {
+    fn node_address(&self, node: NodeId) -> Result<SocketAddr, EngineError> {
+        self.nodes
+            .get(node.get().saturating_sub(1) as usize)
+            .copied()
+            .ok_or_else(|| {
+                EngineError::Invalid(format!(
+                    "{node} is not in the cluster (it has {} nodes)",
+                    self.nodes.len()
+                ))
+            })
+    }
+
+    fn node_count(&self) -> u32 {
+        u32::try_from(self.nodes.len()).unwrap_or(u32::MAX)
+    }
+}
+
+fn cluster_of(config: &JobConfig) -> Result<ClusterConfig, EngineError> {
+    let cluster = config.cluster.clone().ok_or_else(|| {
+        EngineError::Invalid("the job has no [cluster] section: run it in one process".into())
+    })?;
+    if cluster.nodes.is_empty() {
+        return Err(EngineError::Invalid("[cluster] lists no nodes".into()));
+    }
+    Ok(cluster)
+}
+
+fn io_net(what: &str, error: &std::io::Error) -> EngineError {
+    EngineError::Net(format!("{what}: {error}"))
+}
+
+/// Reads the first envelope of a fresh connection, within `timeout`.
+fn read_hello(stream: &TcpStream, timeout: Duration) -> Result<EngineMessage, EngineError> {
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| io_net("handshake", &e))?;
+    let mut reader = stream.try_clone().map_err(|e| io_net("handshake", &e))?;
+    let hello = read_envelope(&mut reader, FrameDecoder::default())?;
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| io_net("handshake", &e))?;
+    match hello {
+        Envelope::Engine(message) => Ok(message),
+        Envelope::Wire { .. } => Err(EngineError::Net(
+            "a connection began with a protocol message, not a hello".into(),
+        )),
+    }
+}
+
+/// Accepts connections on `listener` until `halt`, handing each to `on_accept` on
+/// its own short-lived handshake thread.
+fn accept_loop(
+    listener: TcpListener,
+    halt: Arc<AtomicBool>,
+    on_accept: impl Fn(TcpStream) + Send + Sync + 'static,
+) -> Result<JoinHandle<()>, EngineError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_net("listen", &e))?;
+    let on_accept = Arc::new(on_accept);
+    std::thread::Builder::new()
+        .name("accept".into())
+        .spawn(move || {
+            while !halt.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let on_accept = Arc::clone(&on_accept);
+                        let _handshake = std::thread::Builder::new()
+                            .name("handshake".into())
+                            .spawn(move || {
+                                if stream.set_nonblocking(false).is_ok()
+                                    && stream.set_nodelay(true).is_ok()
+                                {
+                                    on_accept(stream);
+                                }
+                            });
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "accept failed");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+            }
+        })
+        .map_err(|e| EngineError::io("spawn", "accept thread", &e))
+}
+
+// ---------------------------------------------------------------------------------
+// The coordinator process.
+
+/// A node's live connection, as the coordinator sees it.
+struct NodeLink {
+    connection: u64,
+    writer: Sender<Envelope>,
+}
+
+/// Runs the coordinator of a cluster job: waits for every node, drives the
+/// generations and their checkpoints, fails over when a node is lost, and returns
+/// once the job is done (its bounded input consumed and covered by a checkpoint, or
+/// `options.stop` pulled and a final checkpoint taken) and every node has finished.
+pub fn run_coordinator(
+    config: &JobConfig,
+    job: &WordCount,
+    mut options: RunOptions,
+) -> Result<JobReport, EngineError> {
+    job.check()?;
+    let cluster = cluster_of(config)?;
+    let runtime = runtime()?;
+    let store = Store::open(&config.store_uri(), config.store_options.clone())?;
+    let mut lease = runtime.block_on(Lease::acquire_job(
+        &store,
+        lease_config(config),
+        Arc::new(SystemClock),
+    ))?;
+    let topology = Topology::of(job);
+    let metrics = Arc::new(Metrics::new(&topology.all()));
+    let generation = Arc::new(AtomicU64::new(0));
+    let (inputs_tx, inputs_rx) = crossbeam_channel::unbounded::<CoordinatorInput>();
+    let listener = TcpListener::bind(cluster.coordinator)
+        .map_err(|e| EngineError::io("listen on", cluster.coordinator.to_string(), &e))?;
+    let halt = Arc::new(AtomicBool::new(false));
+    let connections = Arc::new(AtomicU64::new(0));
+    let acceptor = {
+        let (inputs, generation, connections) = (
+            inputs_tx.clone(),
+            Arc::clone(&generation),
+            Arc::clone(&connections),
+        );
+        accept_loop(listener, Arc::clone(&halt), move |stream| {
+            accept_node(stream, &inputs, &generation, &connections);
+        })?
+    };
+    tracing::info!(address = %cluster.coordinator, nodes = cluster.nodes.len(), "coordinator listening");
+
+    let mut report = JobReport::default();
+    let mut nodes: BTreeMap<NodeId, NodeLink> = BTreeMap::new();
+    let mut bad = BTreeSet::new();
+    let mut failovers_without_progress = 0u32;
+    let outcome = loop {
+        if let Err(error) =
+            wait_for_nodes(&cluster, &mut nodes, &inputs_rx, &runtime, &lease, &options)
+        {
+            break Err(error);
+        }
+        // The restore point: the newest committed checkpoint not known bad whose files
+        // are all present; the nodes download and verify their snapshots of it.
+        let restore_id = match choose_restore(&runtime, &store, &bad, &mut report) {
+            Ok(id) => id,
+            Err(error) => break Err(error),
+        };
+        let g = generation.fetch_add(1, Ordering::SeqCst) + 1;
+        tracing::info!(generation = g, checkpoint = ?restore_id, "starting a generation");
+        for link in nodes.values() {
+            let _closed = link.writer.send(Envelope::Engine(EngineMessage::Start {
+                generation: g,
+                checkpoint: restore_id.map(CheckpointId::get),
+            }));
+        }
+        match wait_ready(
+            g, &cluster, &mut nodes, &inputs_rx, &inputs_tx, &runtime, &lease,
+        ) {
+            Ready::All => {}
+            Ready::Retry(reason) => {
+                tracing::warn!(generation = g, reason, "generation did not start");
+                reset(&nodes, g);
+                continue;
+            }
+            Ready::BadCheckpoint(checkpoint, problem) => {
+                tracing::warn!(%checkpoint, problem, "checkpoint does not verify; falling back to an older one");
+                bad.insert(checkpoint);
+                report.fell_back_from.push(FallBack {
+                    checkpoint,
+                    problem,
+                });
+                reset(&nodes, g);
+                continue;
+            }
+            Ready::Fatal(error) => break Err(error),
+        }
+        report.restored_from = restore_id;
+        if let Some(id) = restore_id {
+            metrics.restored(id.get());
+        }
+        let highest_seen = match highest_checkpoint(&runtime, &store) {
+            Ok(id) => id,
+            Err(error) => break Err(error),
+        };
+        let machine = match coordinator_machine(config, &topology, restore_id, highest_seen) {
+            Ok(machine) => machine,
+            Err(error) => break Err(error),
+        };
+        let routes: BTreeMap<NodeId, Sender<Envelope>> = nodes
+            .iter()
+            .map(|(node, link)| (*node, link.writer.clone()))
+            .collect();
+        let node_count = cluster.node_count();
+        let completed_before = report.checkpoints.len();
+        let (result, stashed, returned_lease) = {
+            let mut driver = CoordinatorDriver {
+                coordinator: machine,
+                store: store.clone(),
+                lease,
+                runtime: &runtime,
+                control: Box::new(move |task, message| {
+                    if let Some(writer) = routes.get(&Topology::node_of(task, node_count)) {
+                        let _closed = writer.send(Envelope::Wire {
+                            generation: g,
+                            message,
+                        });
+                    }
+                }),
+                inputs: inputs_rx.clone(),
+                signals: Arc::new(Signals::default()),
+                epoch: Instant::now(),
+                config,
+                sources: topology.sources.clone(),
+                finished: BTreeMap::new(),
+                offsets: BTreeMap::new(),
+                backoff: gc_backoff(),
+                report: &mut report,
+                metrics: Arc::clone(&metrics),
+                stop: options.stop.clone(),
+                stop_after: None,
+                on_checkpoint: options.on_checkpoint.take(),
+                stash: Vec::new(),
+            };
+            let result = driver.run();
+            options.on_checkpoint = driver.on_checkpoint.take();
+            let stashed = std::mem::take(&mut driver.stash);
+            (result, stashed, driver.lease)
+        };
+        lease = returned_lease;
+        for input in stashed {
+            let _sent = inputs_tx.send(input);
+        }
+        match result {
+            Ok(()) => {
+                for link in nodes.values() {
+                    let _closed = link
+                        .writer
+                        .send(Envelope::Engine(EngineMessage::Finish { generation: g }));
+                }
+                wait_for_goodbyes(&mut nodes, &inputs_rx, Duration::from_secs(60));
+                break Ok(());
+            }
+            Err(
+                error @ (EngineError::NodeLost(_)
+                | EngineError::Failed(_)
+                | EngineError::Stopped(_)
+                | EngineError::Net(_)),
+            ) => {
+                if report.checkpoints.len() > completed_before {
+                    failovers_without_progress = 0;
+                }
+                failovers_without_progress += 1;
+                tracing::warn!(generation = g, %error, "failing over");
+                if failovers_without_progress > MAX_FAILOVERS_WITHOUT_PROGRESS {
+                    break Err(EngineError::Failed(format!(
+                        "{failovers_without_progress} failovers in a row without a completed checkpoint, the last: {error}"
+                    )));
+                }
+                reset(&nodes, g);
+            }
+            Err(error) => break Err(error),
+        }
+    };
+    halt.store(true, Ordering::SeqCst);
+    let _joined = acceptor.join();
+    outcome?;
+    runtime.block_on(lease.release())?;
+    Ok(report)
+}
+
+/// Failovers tolerated in a row without a checkpoint completing in between.
+const MAX_FAILOVERS_WITHOUT_PROGRESS: u32 = 20;
+
+fn reset(nodes: &BTreeMap<NodeId, NodeLink>, generation: u64) {
+    for link in nodes.values() {
+        let _closed = link
+            .writer
+            .send(Envelope::Engine(EngineMessage::Reset { generation }));
+    }
+}
+
+/// Handshake of a node connection on the coordinator: its hello, then a writer and a
+/// reader thread; the reader turns what the node sends into coordinator inputs,
+/// dropping whatever belongs to another generation.
+fn accept_node(
+    stream: TcpStream,
+    inputs: &Sender<CoordinatorInput>,
+    generation: &Arc<AtomicU64>,
+    connections: &AtomicU64,
+) {
+    let node = match read_hello(&stream, Duration::from_secs(10)) {
+        Ok(EngineMessage::Hello { node }) => NodeId(node),
+        Ok(other) => {
+            tracing::warn!(?other, "a connection to the coordinator did not say hello");
+            return;
+        }
+        Err(error) => {
+            tracing::warn!(%error, "a node's handshake failed");
+            return;
+        }
+    };
+    let connection = connections.fetch_add(1, Ordering::SeqCst) + 1;
+    let Ok(write_half) = stream.try_clone() else {
+        return;
+    };
+    let (writer, envelopes) = crossbeam_channel::unbounded();
+    let spawned_writer = std::thread::Builder::new()
+        .name(format!("to-{node}"))
+        .spawn(move || writer_loop(write_half, envelopes, format!("to {node}")));
+    if spawned_writer.is_err() {
+        return;
+    }
+    let _sent = inputs.send(CoordinatorInput::Connected {
+        node,
+        connection,
+        writer,
+    });
+    let inputs = inputs.clone();
+    let generation = Arc::clone(generation);
+    let _reader = std::thread::Builder::new()
+        .name(format!("from-{node}"))
+        .spawn(move || {
+            let mut input = BufReader::with_capacity(64 * 1024, stream);
+            loop {
+                let envelope = match read_envelope(&mut input, FrameDecoder::default()) {
+                    Ok(envelope) => envelope,
+                    Err(error) => {
+                        let _sent = inputs.send(CoordinatorInput::NodeLost {
+                            node,
+                            connection,
+                            reason: error.to_string(),
+                        });
+                        return;
+                    }
+                };
+                let current = generation.load(Ordering::SeqCst);
+                let input = match envelope {
+                    Envelope::Wire {
+                        generation: g,
+                        message,
+                    } if g == current => CoordinatorInput::Message(message),
+                    Envelope::Engine(EngineMessage::SourceFinished {
+                        generation: g,
+                        task,
+                        offset,
+                    }) if g == current => match SourceOffset::new(offset) {
+                        Ok(offset) => CoordinatorInput::SourceFinished {
+                            task: TaskId(task),
+                            offset,
+                        },
+                        Err(error) => CoordinatorInput::TaskFailed {
+                            task: TaskId(task),
+                            error: error.to_string(),
+                        },
+                    },
+                    Envelope::Engine(EngineMessage::TaskFailed {
+                        generation: g,
+                        task,
+                        error,
+                    }) if g == current => CoordinatorInput::TaskFailed {
+                        task: TaskId(task),
+                        error,
+                    },
+                    Envelope::Engine(
+                        message @ (EngineMessage::Ready { .. }
+                        | EngineMessage::RestoreFailed { .. }),
+                    ) => CoordinatorInput::Node { node, message },
+                    // Anything else belongs to another generation or to nobody.
+                    _ => continue,
+                };
+                if inputs.send(input).is_err() {
+                    return;
+                }
+            }
+        });
+}
+
+/// Applies a connection change; `true` when a node was lost.
+fn apply_connection(nodes: &mut BTreeMap<NodeId, NodeLink>, input: CoordinatorInput) -> bool {
+    match input {
+        CoordinatorInput::Connected {
+            node,
+            connection,
+            writer,
+        } => {
+            tracing::info!(%node, "node connected");
+            nodes.insert(node, NodeLink { connection, writer });
+            false
+        }
+        CoordinatorInput::NodeLost {
+            node,
+            connection,
+            reason,
+        } => {
+            if nodes.get(&node).is_some_and(|l| l.connection == connection) {
+                tracing::warn!(%node, reason, "node lost");
+                nodes.remove(&node);
+                return true;
+            }
+            false
+        }
+        _ => false,
+    }
+}
+
+/// Keeps the lease fresh while the coordinator waits.
+fn keep_lease(runtime: &tokio::runtime::Runtime, lease: &Lease) -> Result<(), EngineError> {
+    if lease.needs_refresh() {
+        runtime.block_on(lease.refresh())?;
+    }
+    Ok(())
+}
+
+fn wait_for_nodes(
+    cluster: &ClusterConfig,
+    nodes: &mut BTreeMap<NodeId, NodeLink>,
+    inputs: &Receiver<CoordinatorInput>,
+    runtime: &tokio::runtime::Runtime,
+    lease: &Lease,
+    options: &RunOptions,
+) -> Result<(), EngineError> {
+    let mut logged = Instant::now();
+    while (1..=cluster.node_count()).any(|n| !nodes.contains_key(&NodeId(n))) {
+        if options.stop.requested() {
+            return Err(EngineError::Stopped(
+                "the coordinator, stopped while waiting for nodes".into(),
+            ));
+        }
+        keep_lease(runtime, lease)?;
+        if logged.elapsed() > Duration::from_secs(5) {
+            let missing: Vec<String> = (1..=cluster.node_count())
+                .map(NodeId)
+                .filter(|n| !nodes.contains_key(n))
+                .map(|n| n.to_string())
+                .collect();
+            tracing::info!(missing = missing.join(", "), "waiting for nodes");
+            logged = Instant::now();
+        }
+        match inputs.recv_timeout(Duration::from_millis(100)) {
+            Ok(input) => {
+                apply_connection(nodes, input);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(EngineError::Stopped("the accept thread".into()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn choose_restore(
+    runtime: &tokio::runtime::Runtime,
+    store: &Store,
+    bad: &BTreeSet<CheckpointId>,
+    report: &mut JobReport,
+) -> Result<Option<CheckpointId>, EngineError> {
+    for id in runtime.block_on(store.committed_ids())?.into_iter().rev() {
+        if bad.contains(&id) {
+            continue;
+        }
+        let verified =
+            runtime.block_on(store.verify(id, stillpoint_backup::VerifyDepth::Presence, &()));
+        match verified {
+            Ok(verified) if verified.problems.is_empty() => return Ok(Some(id)),
+            Ok(verified) => {
+                let problem = verified
+                    .problems
+                    .first()
+                    .map(ToString::to_string)
+                    .unwrap_or_default();
+                tracing::warn!(checkpoint = %id, problem, "checkpoint incomplete; falling back");
+                report.fell_back_from.push(FallBack {
+                    checkpoint: id,
+                    problem,
+                });
+            }
+            Err(error) if error.is_unavailable() => return Err(error.into()),
+            Err(error) => {
+                report.fell_back_from.push(FallBack {
+                    checkpoint: id,
+                    problem: error.to_string(),
+                });
+            }
+        }
+    }
+    Ok(None)
+}
+
+enum Ready {
+    All,
+    Retry(String),
+    BadCheckpoint(CheckpointId, String),
+    Fatal(EngineError),
+}
+
+/// Waits until every node reported ready for generation `g`. Task traffic of `g`
+/// that arrives meanwhile (a restored source that is already finished) is put back
+/// for the driver.
+fn wait_ready(
+    g: u64,
+    cluster: &ClusterConfig,
+    nodes: &mut BTreeMap<NodeId, NodeLink>,
+    inputs: &Receiver<CoordinatorInput>,
+    requeue: &Sender<CoordinatorInput>,
+    runtime: &tokio::runtime::Runtime,
+    lease: &Lease,
+) -> Ready {
+    let mut ready = BTreeSet::new();
+    let mut early = Vec::new();
+    let deadline = Instant::now() + cluster.connect_timeout * 2;
+    let outcome = loop {
+        if ready.len() == cluster.nodes.len() {
+            break Ready::All;
+        }
+        if Instant::now() > deadline {
+            break Ready::Retry("nodes did not get ready in time".into());
+        }
+        if let Err(error) = keep_lease(runtime, lease) {
+            break Ready::Fatal(error);
+        }
+        match inputs.recv_timeout(Duration::from_millis(100)) {
+            Ok(CoordinatorInput::Node {
+                node,
+                message: EngineMessage::Ready { generation },
+            }) if generation == g => {
+                ready.insert(node);
+            }
+            Ok(CoordinatorInput::Node {
+                node,
+                message:
+                    EngineMessage::RestoreFailed {
+                        generation,
+                        checkpoint,
+                        problem,
+                        corrupt,
+                    },
+            }) if generation == g => {
+                let problem = format!("{node}: {problem}");
+                break if corrupt {
+                    Ready::BadCheckpoint(CheckpointId(checkpoint), problem)
+                } else {
+                    Ready::Fatal(EngineError::Failed(problem))
+                };
+            }
+            Ok(CoordinatorInput::Node { .. }) => {}
+            Ok(
+                input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
+            ) => {
+                let reconnect = matches!(input, CoordinatorInput::Connected { .. });
+                if apply_connection(nodes, input) || reconnect {
+                    break Ready::Retry("a node was lost or restarted".into());
+                }
+            }
+            Ok(CoordinatorInput::TaskFailed { task, error }) => {
+                break Ready::Retry(format!("{task} failed: {error}"));
+            }
+            Ok(other) => early.push(other),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                break Ready::Fatal(EngineError::Stopped("the accept thread".into()));
+            }
+        }
+    };
+    if matches!(outcome, Ready::All) {
+        for input in early {
+            let _sent = requeue.send(input);
+        }
+    }
+    outcome
+}
+
+/// After `Finish`: waits until every node has closed its connection.
+fn wait_for_goodbyes(
+    nodes: &mut BTreeMap<NodeId, NodeLink>,
+    inputs: &Receiver<CoordinatorInput>,
+    timeout: Duration,
+) {
+    let deadline = Instant::now() + timeout;
+    while !nodes.is_empty() && Instant::now() < deadline {
+        if let Ok(CoordinatorInput::NodeLost {
+            node, connection, ..
+        }) = inputs.recv_timeout(Duration::from_millis(100))
+        {
+            if nodes.get(&node).is_some_and(|l| l.connection == connection) {
+                nodes.remove(&node);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// A node process.
+
+/// What a node's main loop hears.
+enum NodeEvent {
+    FromCoordinator(Envelope),
+    CoordinatorLost(String),
+}
+
+/// One generation's tasks and connections on a node.
+struct Generation {
+    generation: u64,
+    signals: Arc<Signals>,
+    spawned: Vec<Spawned>,
+    control: ControlMap,
+    streams: Vec<TcpStream>,
+    threads: Vec<JoinHandle<()>>,
+    forwarder: Option<JoinHandle<()>>,
+}
+
+impl Generation {
+    /// Ends the generation: `graceful` lets the tasks carry out what their control
+    /// channels hold (the final commit) before they stop; otherwise they stop where
+    /// they are, as in a crash.
+    fn end(self, graceful: bool) -> Option<EngineError> {
+        if graceful {
+            self.signals.stop();
+        } else {
+            self.signals.crash();
+        }
+        let error = join_all(self.spawned);
+        for stream in &self.streams {
+            let _shut = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for thread in self.threads {
+            let _joined = thread.join();
+        }
+        if let Some(forwarder) = self.forwarder {
+            let _joined = forwarder.join();
+        }
+        error
+    }
+}
+
+/// Runs node `node` of a cluster job until the coordinator says the job is done.
+/// The node's local directories live under `work_dir/node-N`; a lost coordinator is
+/// waited for (up to the connect timeout) and the node rejoins it.
+pub fn run_node(config: &JobConfig, job: &WordCount, node: NodeId) -> Result<(), EngineError> {
+    job.check()?;
+    let cluster = cluster_of(config)?;
+    let own_address = cluster.node_address(node)?;
+    let mut local = config.clone();
+    local.store = Some(config.store_uri());
+    local.work_dir = config.work_dir.join(format!("node-{}", node.get()));
+    let runtime = runtime()?;
+    let store = Store::open(&local.store_uri(), local.store_options.clone())?;
+    let topology = Topology::of(job);
+    let groups = KeyGroups::new(local.max_parallelism)?;
+
+    let listener = TcpListener::bind(own_address)
+        .map_err(|e| EngineError::io("listen on", own_address.to_string(), &e))?;
+    let halt = Arc::new(AtomicBool::new(false));
+    let (edges_tx, edges_rx) = crossbeam_channel::unbounded::<(EngineMessage, TcpStream)>();
+    let acceptor = accept_loop(listener, Arc::clone(&halt), move |stream| match read_hello(
+        &stream,
+        Duration::from_secs(10),
+    ) {
+        Ok(hello @ EngineMessage::EdgeHello { .. }) => {
+            let _sent = edges_tx.send((hello, stream));
+        }
+        Ok(other) => tracing::warn!(?other, "an edge connection did not say hello"),
+        Err(error) => tracing::warn!(%error, "an edge handshake failed"),
+    })?;
+    let mut node_state = NodeState {
+        config: &local,
+        job,
+        cluster: &cluster,
+        node,
+        topology: &topology,
+        groups,
+        store: &store,
+        runtime: &runtime,
+        edges: edges_rx,
+        early_edges: Vec::new(),
+        metrics: Metrics::new(&topology.all()),
+    };
+    let outcome = node_state.serve();
+    halt.store(true, Ordering::SeqCst);
+    let _joined = acceptor.join();
+    outcome
+}
+
+struct NodeState<'a> {
+    config: &'a JobConfig,
+    job: &'a WordCount,
+    cluster: &'a ClusterConfig,
+    node: NodeId,
+    topology: &'a Topology,
+    groups: KeyGroups,
+    store: &'a Store,
+    runtime: &'a tokio::runtime::Runtime,
+    edges: Receiver<(EngineMessage, TcpStream)>,
+    /// Edge connections of a generation this node has not started yet.
+    early_edges: Vec<(EngineMessage, TcpStream)>,
+    metrics: Metrics,
+}
+
+impl NodeState<'_> {
+    fn serve(&mut self) -> Result<(), EngineError> {
+        loop {
+            let deadline = Instant::now() + self.cluster.connect_timeout;
+            let stream = connect_retrying(self.cluster.coordinator, deadline, &|| false)?;
+            let mut hello = Vec::new();
+            write_envelope(
+                &mut hello,
+                &Envelope::Engine(EngineMessage::Hello {
+                    node: self.node.get(),
+                }),
+            )?;
+            std::io::Write::write_all(&mut &stream, &hello)
+                .map_err(|e| io_net("hello to the coordinator", &e))?;
+            tracing::info!(node = %self.node, coordinator = %self.cluster.coordinator, "connected");
+            let (writer, envelopes) = crossbeam_channel::unbounded();
+            let write_half = stream.try_clone().map_err(|e| io_net("coordinator", &e))?;
+            let writer_thread = std::thread::Builder::new()
+                .name("to-coordinator".into())
+                .spawn(move || writer_loop(write_half, envelopes, "to the coordinator".into()))
+                .map_err(|e| EngineError::io("spawn", "writer thread", &e))?;
+            let (events_tx, events) = crossbeam_channel::unbounded();
+            let read_half = stream.try_clone().map_err(|e| io_net("coordinator", &e))?;
+            let reader_thread = std::thread::Builder::new()
+                .name("from-coordinator".into())
+                .spawn(move || {
+                    let mut input = BufReader::with_capacity(64 * 1024, read_half);
+                    loop {
+                        match read_envelope(&mut input, FrameDecoder::default()) {
+                            Ok(envelope) => {
+                                if events_tx
+                                    .send(NodeEvent::FromCoordinator(envelope))
+                                    .is_err()
+                                {
+                                    return;
+                                }
+                            }
+                            Err(error) => {
+                                let _sent =
+                                    events_tx.send(NodeEvent::CoordinatorLost(error.to_string()));
+                                return;
+                            }
+                        }
+                    }
+                })
+                .map_err(|e| EngineError::io("spawn", "reader thread", &e))?;
+            let finished = self.follow(&events, &writer);
+            let _shut = stream.shutdown(std::net::Shutdown::Both);
+            drop(writer);
+            let _joined = writer_thread.join();
+            let _joined = reader_thread.join();
+            match finished {
+                Ok(true) => return Ok(()),
+                Ok(false) => {
+                    tracing::warn!(node = %self.node, "coordinator lost; reconnecting");
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// Follows the coordinator's orders on one connection: `Ok(true)` when the job
+    /// finished, `Ok(false)` when the coordinator was lost.
+    fn follow(
+        &mut self,
+        events: &Receiver<NodeEvent>,
+        writer: &Sender<Envelope>,
+    ) -> Result<bool, EngineError> {
+        let mut current: Option<Generation> = None;
+        for event in events {
+            match event {
+                NodeEvent::CoordinatorLost(reason) => {
+                    tracing::warn!(reason, "connection to the coordinator lost");
+                    if let Some(generation) = current.take() {
+                        generation.end(false);
+                    }
+                    return Ok(false);
+                }
+                NodeEvent::FromCoordinator(Envelope::Wire {
+                    generation,
+                    message,
+                }) => {
+                    let Some(live) = current.as_ref().filter(|c| c.generation == generation) else {
+                        continue;
+                    };
+                    if let Some(channel) =
+                        control_target(&message).and_then(|t| live.control.get(&t))
+                    {
+                        let _closed = channel.send(message);
+                    }
+                }
+                NodeEvent::FromCoordinator(Envelope::Engine(message)) => match message {
+                    EngineMessage::Start {
+                        generation,
+                        checkpoint,
+                    } => {
+                        if let Some(old) = current.take() {
+                            old.end(false);
+                        }
+                        current = self.start(generation, checkpoint.map(CheckpointId), writer)?;
+                    }
+                    EngineMessage::Reset { generation } => {
+                        if current.as_ref().is_some_and(|c| c.generation == generation) {
+                            if let Some(old) = current.take() {
+                                old.end(false);
+                            }
+                        }
+                    }
+                    EngineMessage::Finish { generation } => {
+                        if let Some(live) = current.take() {
+                            if live.generation == generation {
+                                if let Some(error) = live.end(true) {
+                                    return Err(error);
+                                }
+                                tracing::info!(node = %self.node, "job finished");
+                                return Ok(true);
+                            }
+                            live.end(false);
+                        }
+                    }
+                    other => tracing::warn!(?other, "unexpected message from the coordinator"),
+                },
+            }
+        }
+        Ok(false)
+    }
+
+    /// Builds generation `g`; `None` (after telling the coordinator why) when it
+    /// cannot start.
+    fn start(
+        &mut self,
+        g: u64,
+        checkpoint: Option<CheckpointId>,
+        writer: &Sender<Envelope>,
+    ) -> Result<Option<Generation>, EngineError> {
+        let local: Vec<TaskId> = self
+            .topology
+            .all()
+            .into_iter()
+            .filter(|t| Topology::node_of(*t, self.cluster.node_count()) == self.node)
+            .collect();
+        let restore = match checkpoint {
+            None => None,
+            Some(id) => {
+                let fetched = self.runtime.block_on(fetch_restore(
+                    self.store,
+                    &self.config.work_dir,
+                    id,
+                    |manifest| snapshots_needed(manifest, self.topology, &local, self.groups),
+                ));
+                match fetched {
+                    Ok(restore) => Some(restore),
+                    Err(error) => {
+                        tracing::warn!(checkpoint = %id, %error, "restore failed");
+                        let _closed = writer.send(Envelope::Engine(EngineMessage::RestoreFailed {
+                            generation: g,
+                            checkpoint: id.get(),
+                            problem: error.to_string(),
+                            corrupt: is_corrupt_checkpoint(&error),
+                        }));
+                        return Ok(None);
+                    }
+                }
+            }
+        };
+        match self.build(g, &local, restore.as_ref(), writer) {
+            Ok(generation) => {
+                let _closed = writer.send(Envelope::Engine(EngineMessage::Ready { generation: g }));
+                tracing::info!(node = %self.node, generation = g, tasks = local.len(), "generation running");
+                Ok(Some(generation))
+            }
+            Err(error) => {
+                tracing::warn!(generation = g, %error, "generation could not start");
+                let _closed = writer.send(Envelope::Engine(EngineMessage::TaskFailed {
+                    generation: g,
+                    task: local.first().map_or(0, |t| t.get()),
+                    error: error.to_string(),
+                }));
+                Ok(None)
+            }
+        }
+    }
+
+    /// Channels, edge connections and tasks of generation `g` on this node; on an
+    /// error whatever was started is torn down again.
+    fn build(
+        &mut self,
+        g: u64,
+        local: &[TaskId],
+        restore: Option<&Restore>,
+        writer: &Sender<Envelope>,
+    ) -> Result<Generation, EngineError> {
+        let mut generation = Generation {
+            generation: g,
+            signals: Arc::new(Signals::default()),
+            spawned: Vec::new(),
+            control: Arc::new(BTreeMap::new()),
+            streams: Vec::new(),
+            threads: Vec::new(),
+            forwarder: None,
+        };
+        match self.build_into(&mut generation, local, restore, writer) {
+            Ok(()) => Ok(generation),
+            Err(error) => {
+                generation.end(false);
+                Err(error)
+            }
+        }
+    }
+
+    fn build_into(
+        &mut self,
+        generation: &mut Generation,
+        local: &[TaskId],
+        restore: Option<&Restore>,
+        writer: &Sender<Envelope>,
+    ) -> Result<(), EngineError> {
+        let g = generation.generation;
+        let signals = Arc::clone(&generation.signals);
+        let nodes = self.cluster.node_count();
+        let is_local = |t: TaskId| Topology::node_of(t, nodes) == self.node;
+        let mut control_rx = BTreeMap::new();
+        let mut control_tx = BTreeMap::new();
+        for task in local {
+            let (tx, rx) = crossbeam_channel::unbounded();
+            control_tx.insert(*task, tx);
+            control_rx.insert(*task, rx);
+        }
+        let local_control: ControlMap = Arc::new(control_tx);
+        generation.control = Arc::clone(&local_control);
+        let mut remote_control: BTreeMap<TaskId, BTreeMap<TaskId, Sender<Message>>> =
+            BTreeMap::new();
+        let mut inputs: BTreeMap<TaskId, Vec<(TaskId, Receiver<Message>)>> = BTreeMap::new();
+        let mut outputs: BTreeMap<TaskId, BTreeMap<TaskId, Sender<Message>>> = BTreeMap::new();
+        let mut incoming = BTreeSet::new();
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| EngineError::io("spawn", "edge thread", &e))
+        };
+        for (up, down) in self.topology.edges() {
+            match (is_local(up), is_local(down)) {
+                (true, true) => {
+                    let (tx, rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+                    outputs.entry(up).or_default().insert(down, tx);
+                    inputs.entry(down).or_default().push((up, rx));
+                }
+                (true, false) => {
+                    let address = self.cluster.node_address(Topology::node_of(down, nodes))?;
+                    let deadline = Instant::now() + self.cluster.connect_timeout;
+                    let stream = connect_retrying(address, deadline, &|| false)?;
+                    let mut hello = Vec::new();
+                    write_envelope(
+                        &mut hello,
+                        &Envelope::Engine(EngineMessage::EdgeHello {
+                            generation: g,
+                            upstream: up.get(),
+                            downstream: down.get(),
+                        }),
+                    )?;
+                    std::io::Write::write_all(&mut &stream, &hello)
+                        .map_err(|e| io_net(&format!("edge {up}→{down}"), &e))?;
+                    let (data_tx, data_rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+                    let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
+                    outputs.entry(up).or_default().insert(down, data_tx);
+                    remote_control.entry(up).or_default().insert(down, ctl_tx);
+                    let send_half = stream.try_clone().map_err(|e| io_net("edge", &e))?;
+                    let read_half = stream.try_clone().map_err(|e| io_net("edge", &e))?;
+                    let s = Arc::clone(&signals);
+                    generation.threads.push(spawn(
+                        format!("edge-{up}-{down}-out"),
+                        Box::new(move || edge_sender(send_half, data_rx, ctl_rx, g, s)),
+                    )?);
+                    let (c, s) = (Arc::clone(&local_control), Arc::clone(&signals));
+                    generation.threads.push(spawn(
+                        format!("edge-{up}-{down}-in"),
+                        Box::new(move || {
+                            edge_receiver(read_half, None, c, s, FrameDecoder::default());
+                        }),
+                    )?);
+                    generation.streams.push(stream);
+                }
+                (false, true) => {
+                    incoming.insert((up, down));
+                }
+                (false, false) => {}
+            }
+        }
+        // Incoming edges: opened by the upstreams' nodes.
+        let deadline = Instant::now() + self.cluster.connect_timeout;
+        let mut pending = std::mem::take(&mut self.early_edges);
+        while !incoming.is_empty() {
+            let next = match pending.pop() {
+                Some(next) => next,
+                None => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(EngineError::Net(format!(
+                            "{} edge connection(s) did not arrive, e.g. {:?}",
+                            incoming.len(),
+                            incoming.first()
+                        )));
+                    }
+                    match self
+                        .edges
+                        .recv_timeout(left.min(Duration::from_millis(200)))
+                    {
+                        Ok(next) => next,
+                        Err(_) => continue,
+                    }
+                }
+            };
+            let (
+                EngineMessage::EdgeHello {
+                    generation: edge_generation,
+                    upstream,
+                    downstream,
+                },
+                stream,
+            ) = next
+            else {
+                continue;
+            };
+            if edge_generation > g {
+                self.early_edges.push((
+                    EngineMessage::EdgeHello {
+                        generation: edge_generation,
+                        upstream,
+                        downstream,
+                    },
+                    stream,
+                ));
+                continue;
+            }
+            let (up, down) = (TaskId(upstream), TaskId(downstream));
+            if edge_generation < g || !incoming.remove(&(up, down)) {
+                continue;
+            }
+            let (data_tx, data_rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+            let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
+            inputs.entry(down).or_default().push((up, data_rx));
+            remote_control.entry(down).or_default().insert(up, ctl_tx);
+            let send_half = stream.try_clone().map_err(|e| io_net("edge", &e))?;
+            let read_half = stream.try_clone().map_err(|e| io_net("edge", &e))?;
+            let s = Arc::clone(&signals);
+            generation.threads.push(spawn(
+                format!("edge-{up}-{down}-ctl"),
+                Box::new(move || {
+                    edge_sender(send_half, crossbeam_channel::never(), ctl_rx, g, s);
+                }),
+            )?);
+            let (c, s) = (Arc::clone(&local_control), Arc::clone(&signals));
+            generation.threads.push(spawn(
+                format!("edge-{up}-{down}-data"),
+                Box::new(move || {
+                    edge_receiver(read_half, Some(data_tx), c, s, FrameDecoder::default());
+                }),
+            )?);
+            generation.streams.push(stream);
+        }
+        // Inputs in the topology's order of upstreams, whichever connected first.
+        for list in inputs.values_mut() {
+            list.sort_by_key(|(up, _)| *up);
+        }
+
+        // What the tasks send the coordinator, tagged with the generation.
+        let (coordinator_tx, coordinator_rx) = crossbeam_channel::unbounded::<CoordinatorInput>();
+        let to_coordinator = writer.clone();
+        let forwarder = std::thread::Builder::new()
+            .name("forward".into())
+            .spawn(move || {
+                for input in coordinator_rx {
+                    let envelope = match input {
+                        CoordinatorInput::Message(message) => Envelope::Wire {
+                            generation: g,
+                            message,
+                        },
+                        CoordinatorInput::SourceFinished { task, offset } => {
+                            Envelope::Engine(EngineMessage::SourceFinished {
+                                generation: g,
+                                task: task.get(),
+                                offset: offset.as_bytes().to_vec(),
+                            })
+                        }
+                        CoordinatorInput::TaskFailed { task, error } => {
+                            Envelope::Engine(EngineMessage::TaskFailed {
+                                generation: g,
+                                task: task.get(),
+                                error,
+                            })
+                        }
+                        _ => continue,
+                    };
+                    if to_coordinator.send(envelope).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| EngineError::io("spawn", "forwarder thread", &e))?;
+        generation.forwarder = Some(forwarder);
+
+        clear_live_dirs(&self.config.work_dir)?;
+        let builder = Builder {
+            config: self.config,
+            job: self.job,
+            topology: self.topology,
+            groups: self.groups,
+            store: self.store,
+            runtime: self.runtime.handle().clone(),
+            epoch: Instant::now(),
+            node: self.node,
+            metrics: &self.metrics,
+            restore,
+        };
+        for task in local {
+            let mut control: BTreeMap<TaskId, Sender<Message>> = (*local_control).clone();
+            control.extend(remote_control.remove(task).unwrap_or_default());
+            let Some(control_rx) = control_rx.remove(task) else {
+                continue;
+            };
+            let wiring = Wiring {
+                inputs: inputs.remove(task).unwrap_or_default(),
+                control: control_rx,
+                links: Links {
+                    data: outputs.remove(task).unwrap_or_default(),
+                    control: Arc::new(control),
+                    coordinator: coordinator_tx.clone(),
+                    signals: Arc::clone(&signals),
+                },
+            };
+            generation
+                .spawned
+                .push(builder.spawn(*task, wiring, coordinator_tx.clone())?);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,468 @@
+//! The TCP transport: envelopes on a socket, and the threads of one edge connection.
+//!
+//! An envelope is `tag (u8) · length (u32 BE) · payload`. Tag 0 carries a protocol
+//! message: `generation (u64 BE) · wire frame` (the frame format of
+//! `stillpoint-wire`, checksummed); tag 1 an engine message (JSON): the handshakes and
+//! the generation changes between nodes and the coordinator. Every length is checked
+//! against a maximum before anything is allocated.
+//!
+//! Each data edge between tasks on different nodes is its own connection, opened by
+//! the upstream's node: data and barriers flow downstream in order (the in-band
+//! barrier needs exactly that), control flows both ways. One connection per edge keeps
+//! backpressure per edge: a downstream that blocks one input for alignment stalls only
+//! that connection, never the barriers of its other inputs.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+use serde::{Deserialize, Serialize};
+use stillpoint_wire::{FrameDecoder, Message, encode_to_bytes};
+
+use crate::EngineError;
+use crate::build::ControlMap;
+use crate::transport::{Signals, control_target};
+
+/// Engine messages between nodes and the coordinator (and the edge handshake).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EngineMessage {
+    /// Node → coordinator, first on its connection.
+    Hello {
+        /// The node.
+        node: u32,
+    },
+    /// Coordinator → node: build your tasks for `generation`, restored from
+    /// `checkpoint` (none: a fresh start).
+    Start {
+        /// The generation.
+        generation: u64,
+        /// The checkpoint to restore.
+        checkpoint: Option<u64>,
+    },
+    /// Node → coordinator: every task of the generation runs and its edges are up.
+    Ready {
+        /// The generation.
+        generation: u64,
+    },
+    /// Node → coordinator: a snapshot of the checkpoint did not download or verify.
+    RestoreFailed {
+        /// The generation.
+        generation: u64,
+        /// The checkpoint.
+        checkpoint: u64,
+        /// What was wrong (naming the file).
+        problem: String,
+        /// Whether the checkpoint itself is bad (else the store or job is).
+        corrupt: bool,
+    },
+    /// Node → coordinator: a bounded source reached its end.
+    SourceFinished {
+        /// The generation.
+        generation: u64,
+        /// The source task.
+        task: u32,
+        /// Its final offset.
+        offset: Vec<u8>,
+    },
+    /// Node → coordinator: a task failed.
+    TaskFailed {
+        /// The generation.
+        generation: u64,
+        /// The task.
+        task: u32,
+        /// Why.
+        error: String,
+    },
+    /// Coordinator → node: tear the generation's tasks down (a failover).
+    Reset {
+        /// The generation.
+        generation: u64,
+    },
+    /// Coordinator → node: the job is done; carry out the last commits and exit.
+    Finish {
+        /// The generation.
+        generation: u64,
+    },
+    /// Node → node, first on an edge connection.
+    EdgeHello {
+        /// The generation.
+        generation: u64,
+        /// The upstream task.
+        upstream: u32,
+        /// The downstream task.
+        downstream: u32,
+    },
+}
+
+/// One unit on a connection.
+#[derive(Clone, Debug)]
+pub enum Envelope {
+    /// A protocol message of a generation.
+    Wire {
+        /// The generation it belongs to.
+        generation: u64,
+        /// The message.
+        message: Message,
+    },
+    /// An engine message.
+    Engine(EngineMessage),
+}
+
+const TAG_WIRE: u8 = 0;
+const TAG_ENGINE: u8 = 1;
+/// Longest engine message accepted.
+const MAX_ENGINE_LEN: u32 = 64 * 1024;
+
+/// Why a connection cannot be read any more.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The peer closed the connection or it broke.
+    #[error("connection closed: {0}")]
+    Closed(String),
+    /// The peer sent something that is not an envelope.
+    #[error("malformed envelope: {0}")]
+    Malformed(String),
+}
+
+impl From<NetError> for EngineError {
+    fn from(error: NetError) -> Self {
+        Self::Net(error.to_string())
+    }
+}
+
+/// Writes one envelope (buffered; the caller flushes).
+pub fn write_envelope(out: &mut impl Write, envelope: &Envelope) -> Result<(), EngineError> {
+    let (tag, payload): (u8, Bytes) = match envelope {
+        Envelope::Wire {
+            generation,
+            message,
+        } => {
+            let frame = encode_to_bytes(message).map_err(|e| {
+                EngineError::Net(format!("cannot encode {:?}: {e}", message.kind()))
+            })?;
+            let mut payload = BytesMut::with_capacity(8 + frame.len());
+            payload.extend_from_slice(&generation.to_be_bytes());
+            payload.extend_from_slice(&frame);
+            (TAG_WIRE, payload.freeze())
+        }
+        Envelope::Engine(message) => (
+            TAG_ENGINE,
+            Bytes::from(
+                serde_json::to_vec(message)
+                    .map_err(|e| EngineError::Net(format!("cannot encode {message:?}: {e}")))?,
+            ),
+        ),
+    };
+    let length = u32::try_from(payload.len())
+        .map_err(|_| EngineError::Net("envelope longer than 4 GiB".to_owned()))?;
+    let mut header = [0u8; 5];
+    header[0] = tag;
+    header[1..].copy_from_slice(&length.to_be_bytes());
+    out.write_all(&header)
+        .and_then(|()| out.write_all(&payload))
+        .map_err(|e| EngineError::Net(format!("write: {e}")))
+}
+
+/// Reads one envelope; a frame or engine message longer than the maximum is refused
+/// before its payload is read.
+pub fn read_envelope(input: &mut impl Read, decoder: FrameDecoder) -> Result<Envelope, NetError> {
+    let mut header = [0u8; 5];
+    input
+        .read_exact(&mut header)
+        .map_err(|e| NetError::Closed(e.to_string()))?;
+    let tag = header[0];
+    let length = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+    let max = match tag {
+        TAG_WIRE => decoder
+            .max_payload_len()
+            .saturating_add(8 + u32::try_from(stillpoint_wire::HEADER_LEN).unwrap_or(u32::MAX)),
+        TAG_ENGINE => MAX_ENGINE_LEN,
+        other => return Err(NetError::Malformed(format!("unknown envelope tag {other}"))),
+    };
+    if length > max {
+        return Err(NetError::Malformed(format!(
+            "envelope of {length} bytes, at most {max} allowed"
+        )));
+    }
+    let mut payload = vec![0u8; length as usize];
+    input
+        .read_exact(&mut payload)
+        .map_err(|e| NetError::Closed(e.to_string()))?;
+    if tag == TAG_ENGINE {
+        return serde_json::from_slice(&payload)
+            .map(Envelope::Engine)
+            .map_err(|e| NetError::Malformed(format!("engine message: {e}")));
+    }
+    let Some((generation, frame)) = payload.split_first_chunk::<8>() else {
+        return Err(NetError::Malformed(
+            "wire envelope without generation".to_owned(),
+        ));
+    };
+    let generation = u64::from_be_bytes(*generation);
+    let message = decoder
+        .decode_exact(Bytes::copy_from_slice(frame))
+        .map_err(|e| NetError::Malformed(e.to_string()))?;
+    Ok(Envelope::Wire {
+        generation,
+        message,
+    })
+}
+
+/// A connection's writing half: envelopes from a channel, flushed whenever the
+/// channel is momentarily empty. Ends when every sender is gone or a write fails.
+pub(crate) fn writer_loop(stream: TcpStream, envelopes: Receiver<Envelope>, what: String) {
+    let mut out = BufWriter::with_capacity(256 * 1024, stream);
+    for envelope in &envelopes {
+        let mut result = write_envelope(&mut out, &envelope);
+        while result.is_ok() {
+            match envelopes.try_recv() {
+                Ok(next) => result = write_envelope(&mut out, &next),
+                Err(_) => break,
+            }
+        }
+        if let Err(error) = result.and_then(|()| {
+            out.flush()
+                .map_err(|e| EngineError::Net(format!("flush: {e}")))
+        }) {
+            tracing::debug!(%error, connection = what, "connection writer stopped");
+            return;
+        }
+    }
+    let _flushed = out.flush();
+}
+
+/// Sends on a bounded channel, giving up when the generation halts.
+fn send_bounded(channel: &Sender<Message>, message: Message, signals: &Signals) -> bool {
+    let mut message = message;
+    loop {
+        match channel.send_timeout(message, Duration::from_millis(20)) {
+            Ok(()) => return true,
+            Err(SendTimeoutError::Timeout(back)) => {
+                if signals.halted() {
+                    return false;
+                }
+                message = back;
+            }
+            Err(SendTimeoutError::Disconnected(_)) => return false,
+        }
+    }
+}
+
+/// The sending side of an edge on the upstream's node: data and barriers from the
+/// upstream task's bounded channel and control for the downstream, multiplexed onto
+/// the connection in the order they are taken. Ends when the task is gone (its
+/// channels close), the generation halts or the connection breaks.
+pub(crate) fn edge_sender(
+    stream: TcpStream,
+    data: Receiver<Message>,
+    control: Receiver<Message>,
+    generation: u64,
+    signals: Arc<Signals>,
+) {
+    let mut out = BufWriter::with_capacity(256 * 1024, stream);
+    let mut data_open = true;
+    loop {
+        if signals.halted() {
+            return;
+        }
+        let next = if data_open {
+            crossbeam_channel::select! {
+                recv(data) -> m => match m {
+                    Ok(m) => Some(m),
+                    Err(_) => { data_open = false; None }
+                },
+                recv(control) -> m => match m {
+                    Ok(m) => Some(m),
+                    Err(_) => return,
+                },
+                default(Duration::from_millis(50)) => None,
+            }
+        } else {
+            match control.recv_timeout(Duration::from_millis(50)) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        let Some(message) = next else {
+            continue;
+        };
+        let mut result = write_envelope(
+            &mut out,
+            &Envelope::Wire {
+                generation,
+                message,
+            },
+        );
+        // Drain what is already queued before flushing.
+        while result.is_ok() {
+            let queued = data.try_recv().or_else(|_| control.try_recv());
+            match queued {
+                Ok(message) => {
+                    result = write_envelope(
+                        &mut out,
+                        &Envelope::Wire {
+                            generation,
+                            message,
+                        },
+                    );
+                }
+                Err(_) => break,
+            }
+        }
+        if result
+            .and_then(|()| out.flush().map_err(|e| EngineError::Net(e.to_string())))
+            .is_err()
+        {
+            tracing::debug!("edge connection closed while sending");
+            return;
+        }
+    }
+}
+
+/// The receiving side of a connection: data and barriers into `data` (the bounded
+/// input of the downstream task, when this is its edge), control messages into the
+/// control channels of the local tasks they are for. Ends when the connection breaks
+/// or the generation halts; dropping `data` then tells the task its input is gone.
+pub(crate) fn edge_receiver(
+    stream: TcpStream,
+    data: Option<Sender<Message>>,
+    control: ControlMap,
+    signals: Arc<Signals>,
+    decoder: FrameDecoder,
+) {
+    let mut input = BufReader::with_capacity(256 * 1024, stream);
+    loop {
+        let envelope = match read_envelope(&mut input, decoder) {
+            Ok(envelope) => envelope,
+            Err(error) => {
+                tracing::debug!(%error, "edge connection closed");
+                return;
+            }
+        };
+        let Envelope::Wire { message, .. } = envelope else {
+            tracing::warn!("engine message on an edge connection ignored");
+            continue;
+        };
+        match (&message, &data) {
+            (Message::Data(_) | Message::Barrier(_), Some(data)) => {
+                if !send_bounded(data, message, &signals) {
+                    return;
+                }
+            }
+            _ => {
+                let Some(target) = control_target(&message) else {
+                    tracing::warn!(kind = ?message.kind(), "unroutable message on an edge");
+                    continue;
+                };
+                if let Some(channel) = control.get(&target) {
+                    let _closed = channel.send(message);
+                }
+            }
+        }
+    }
+}
+
+/// Connects to `address`, retrying until `deadline` or until `give_up` says so.
+pub(crate) fn connect_retrying(
+    address: std::net::SocketAddr,
+    deadline: std::time::Instant,
+    give_up: &dyn Fn() -> bool,
+) -> Result<TcpStream, EngineError> {
+    loop {
+        match TcpStream::connect_timeout(&address, Duration::from_secs(1)) {
+            Ok(stream) => {
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| EngineError::Net(format!("{address}: {e}")))?;
+                return Ok(stream);
+            }
+            Err(error) => {
+                if std::time::Instant::now() >= deadline || give_up() {
+                    return Err(EngineError::Net(format!(
+                        "cannot connect to {address}: {error}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stillpoint_wire::{Barrier, CheckpointId, CheckpointKind, StreamId, TaskId, TransId};
+
+    #[test]
+    fn envelopes_round_trip_and_oversized_ones_are_refused_unread() {
+        let barrier = Message::Barrier(Barrier {
+            stream: StreamId(1),
+            checkpoint: CheckpointId(3),
+            upstream: TaskId(1),
+            downstream: TaskId(2),
+            trans: TransId(1),
+            kind: CheckpointKind::Checkpoint,
+        });
+        let mut bytes = Vec::new();
+        write_envelope(
+            &mut bytes,
+            &Envelope::Wire {
+                generation: 7,
+                message: barrier.clone(),
+            },
+        )
+        .unwrap();
+        write_envelope(
+            &mut bytes,
+            &Envelope::Engine(EngineMessage::Ready { generation: 7 }),
+        )
+        .unwrap();
+        let mut input = bytes.as_slice();
+        let decoder = FrameDecoder::default();
+        match read_envelope(&mut input, decoder).unwrap() {
+            Envelope::Wire {
+                generation,
+                message,
+            } => {
+                assert_eq!(generation, 7);
+                assert_eq!(message, barrier);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            read_envelope(&mut input, decoder).unwrap(),
+            Envelope::Engine(EngineMessage::Ready { generation: 7 })
+        ));
+        assert!(matches!(
+            read_envelope(&mut input, decoder),
+            Err(NetError::Closed(_))
+        ));
+        // A header claiming 4 GiB is refused before anything is allocated or read.
+        let huge = [TAG_WIRE, 0xff, 0xff, 0xff, 0xff];
+        let error = read_envelope(&mut huge.as_slice(), decoder).unwrap_err();
+        assert!(error.to_string().contains("at most"), "{error}");
+        let unknown = [9u8, 0, 0, 0, 0];
+        assert!(matches!(
+            read_envelope(&mut unknown.as_slice(), decoder),
+            Err(NetError::Malformed(_))
+        ));
+        // A flipped byte in the frame is caught by its checksum.
+        let mut corrupt = bytes.clone();
+        let last_of_frame = 5 + 8 + 10;
+        corrupt[last_of_frame] ^= 1;
+        assert!(matches!(
+            read_envelope(&mut corrupt.as_slice(), decoder),
+            Err(NetError::Malformed(_))
+        ));
+        let garbage = [TAG_ENGINE, 0, 0, 0, 2, b'{', b'x'];
+        assert!(matches!(
+            read_envelope(&mut garbage.as_slice(), decoder),
+            Err(NetError::Malformed(_))
+        ));
+    }
+}
