@@ -237,6 +237,9 @@ pub fn run_coordinator(
             Ready::Fatal(error) => break Err(error),
         }
         report.restored_from = restore_id;
+        if let Some(tell) = options.on_start.take() {
+            tell(&report);
+        }
         if let Some(id) = restore_id {
             metrics.restored(id.get());
         }

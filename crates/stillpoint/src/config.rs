@@ -36,6 +36,11 @@
 //! [metrics]
 //! listen = "127.0.0.1:9464"         # Prometheus text at /metrics; default: off
 //!
+//! [cluster]                         # run across processes; default: one process
+//! coordinator = "127.0.0.1:7600"    # `stillpoint coordinator JOB.toml` listens here
+//! nodes = ["127.0.0.1:7601", "127.0.0.1:7602"]   # `stillpoint node JOB.toml --node N`
+//! connect_timeout = "60s"
+//!
 //! [pipeline]                        # the built-in keyed word count
 //! sources = 2
 //! aggregators = 3                   # counters, each with its exactly-once file sink
@@ -141,7 +146,22 @@ struct JobFile {
     #[serde(default)]
     metrics: MetricsSection,
     #[serde(default)]
+    cluster: Option<ClusterSection>,
+    #[serde(default)]
     pipeline: PipelineSection,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterSection {
+    coordinator: std::net::SocketAddr,
+    nodes: Vec<std::net::SocketAddr>,
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    connect_timeout: Duration,
+}
+
+const fn default_connect_timeout() -> Duration {
+    Duration::from_secs(60)
 }
 
 #[derive(Debug, Deserialize)]
@@ -340,8 +360,12 @@ impl JobFile {
             retention,
             state,
             metrics,
+            cluster,
             pipeline,
         } = self;
+        if cluster.as_ref().is_some_and(|c| c.nodes.is_empty()) {
+            return Err(invalid("cluster.nodes", "must list at least one node"));
+        }
         if job.checkpoint_interval.is_zero() {
             return Err(invalid("job.checkpoint_interval", "must be positive"));
         }
@@ -471,6 +495,11 @@ impl JobFile {
         };
         config.lease_ttl = job.lease_ttl;
         config.metrics_listen = metrics.listen;
+        config.cluster = cluster.map(|c| crate::ClusterConfig {
+            coordinator: c.coordinator,
+            nodes: c.nodes,
+            connect_timeout: c.connect_timeout,
+        });
         let pipeline = WordCount {
             sources: pipeline.sources,
             aggregators: pipeline.aggregators,
@@ -532,6 +561,9 @@ compression = "none"
 cache_budget_mib = 32
 [metrics]
 listen = "127.0.0.1:9464"
+[cluster]
+coordinator = "127.0.0.1:7600"
+nodes = ["127.0.0.1:7601", "127.0.0.1:7602"]
 [pipeline]
 sources = 1
 aggregators = 4
@@ -553,6 +585,9 @@ input = { kind = "files", paths = ["in.txt"] }
         );
         assert_eq!(job.pipeline.output, PathBuf::from("/tmp/x/output"));
         assert!(matches!(job.pipeline.input, WordInput::Files { .. }));
+        let cluster = job.config.cluster.unwrap();
+        assert_eq!(cluster.nodes.len(), 2);
+        assert_eq!(cluster.connect_timeout, Duration::from_secs(60));
     }
 
     #[test]
@@ -581,6 +616,14 @@ input = { kind = "files", paths = ["in.txt"] }
             ),
             ("[state]\ncompression = \"brotli\"\n", "line 2"),
             ("[pipeline]\naggregators = 1000\n", "pipeline.aggregators"),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = []\n",
+                "cluster.nodes",
+            ),
+            (
+                "[cluster]\ncoordinator = \"nowhere\"\nnodes = []\n",
+                "line 2",
+            ),
         ];
         for (text, expected) in cases {
             let error = Job::from_toml(text, "job.toml").unwrap_err().to_string();

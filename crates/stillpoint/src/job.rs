@@ -211,6 +211,9 @@ impl StopHandle {
     }
 }
 
+/// What [`RunOptions::on_start`] calls.
+pub type StartCallback = Box<dyn FnOnce(&JobReport) + Send>;
+
 /// What [`RunOptions::on_checkpoint`] calls.
 pub type CheckpointCallback = Box<dyn FnMut(&CheckpointStats) + Send>;
 
@@ -226,6 +229,9 @@ pub struct RunOptions {
     pub on_checkpoint: Option<CheckpointCallback>,
     /// Called once the metrics endpoint listens, with its address.
     pub on_metrics: Option<Box<dyn FnOnce(SocketAddr) + Send>>,
+    /// Called once the restore point is chosen (before any task runs), with the
+    /// report so far: what the run restores from and what it fell back past.
+    pub on_start: Option<StartCallback>,
 }
 
 impl std::fmt::Debug for RunOptions {
@@ -343,6 +349,9 @@ pub fn run(
         |manifest| snapshots_needed(manifest, &topology, &topology.all(), groups),
     ))?;
     report.restored_from = restore.as_ref().map(|r| r.manifest.checkpoint);
+    if let Some(tell) = options.on_start.take() {
+        tell(&report);
+    }
     let highest_seen = highest_checkpoint(&runtime, &store)?;
 
     let signals = Arc::new(Signals::default());

@@ -52,8 +52,8 @@ pub use cluster::{ClusterConfig, run_coordinator, run_node};
 pub use config::{ConfigError, Job};
 pub use error::EngineError;
 pub use job::{
-    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, RunOptions, StopHandle,
-    WordCount, WordInput, checkpoint_history, run, run_word_count,
+    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, RunOptions, StartCallback,
+    StopHandle, WordCount, WordInput, checkpoint_history, run, run_word_count,
 };
 pub use metrics::Metrics;
 pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};

@@ -1,0 +1,413 @@
+//! `stillpoint checkpoints …`: list, show, verify, restore, garbage-collect and chart
+//! the checkpoints of a store.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use anyhow::{Context, Result, bail};
+use clap::Subcommand;
+use stillpoint::{CheckpointStats, Job};
+use stillpoint_backup::{
+    JournalConfig, Lease, LeaseConfig, ListingStatus, Retention, Store, StoreOptions, SystemClock,
+    VerifyDepth, gc,
+};
+use stillpoint_wire::{CheckpointId, CheckpointManifest};
+
+use crate::progress::{Reporter, bytes};
+
+/// Where the store is and what to do with it.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// The store URI (`file://DIR`, `s3://BUCKET/PREFIX?endpoint=…`, …). Default: the
+    /// job file's store, else file://./stillpoint-data/store.
+    #[arg(long, global = true)]
+    store: Option<String>,
+    /// Take the store (and its options and retention) from this job file.
+    #[arg(long, global = true)]
+    job: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Every checkpoint with its kind, status and size.
+    List,
+    /// One checkpoint's manifest, with every task's files.
+    Show {
+        /// The checkpoint id.
+        id: u64,
+    },
+    /// Reads every file of a checkpoint (all committed ones when no id is given) and
+    /// checks its SHA-256; exits non-zero naming each bad file.
+    Verify {
+        /// The checkpoint id.
+        id: Option<u64>,
+    },
+    /// Downloads a checkpoint, verified, into DIR (resumable: rerun to finish).
+    Restore {
+        /// The checkpoint id.
+        id: u64,
+        /// The target directory.
+        dir: PathBuf,
+    },
+    /// Applies retention: deletes expired checkpoints and unreferenced files.
+    Gc {
+        /// Only list what would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+        /// Periodic checkpoints to keep (default: the job's retention, else 3).
+        #[arg(long)]
+        keep_last: Option<usize>,
+    },
+    /// The statistics of the kept checkpoints as a table.
+    Stats {
+        /// Also draw duration and size over the checkpoints into this SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+struct Target {
+    store: Store,
+    uri: String,
+    retention: Retention,
+}
+
+fn open(args: &Args) -> Result<Target> {
+    let job = match &args.job {
+        Some(path) => Some(Job::load(path)?),
+        None => None,
+    };
+    let (uri, options, retention) = match (&args.store, job) {
+        (Some(uri), Some(job)) => (uri.clone(), job.config.store_options, job.config.retention),
+        (Some(uri), None) => (uri.clone(), StoreOptions::from_env()?, Retention::default()),
+        (None, Some(job)) => (
+            job.config.store_uri(),
+            job.config.store_options,
+            job.config.retention,
+        ),
+        (None, None) => (
+            Job::embedded_default().config.store_uri(),
+            StoreOptions::from_env()?,
+            Retention::default(),
+        ),
+    };
+    let store = Store::open(&uri, options)?;
+    Ok(Target {
+        store,
+        uri,
+        retention,
+    })
+}
+
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    let target = open(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        match args.command {
+            Action::List => list(&target).await,
+            Action::Show { id } => show(&target, CheckpointId(id)).await,
+            Action::Verify { id } => verify(&target, id.map(CheckpointId)).await,
+            Action::Restore { id, dir } => restore(&target, CheckpointId(id), dir).await,
+            Action::Gc { dry_run, keep_last } => collect(&target, dry_run, keep_last).await,
+            Action::Stats { plot } => stats(&target, plot).await,
+        }
+    })
+}
+
+fn created(manifest: &CheckpointManifest) -> String {
+    i64::try_from(manifest.created_at_millis)
+        .ok()
+        .and_then(|ms| jiff::Timestamp::from_millisecond(ms).ok())
+        .map_or_else(
+            || format!("{} ms", manifest.created_at_millis),
+            |t| t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string(),
+        )
+}
+
+async fn list(target: &Target) -> Result<ExitCode> {
+    let listing = target.store.checkpoints().await?;
+    if listing.is_empty() {
+        println!("no checkpoints in {}", target.uri);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:>6}  {:<10}  {:<10}  {:>5}  {:>10}  created",
+        "id", "kind", "status", "tasks", "state"
+    );
+    for entry in listing {
+        match entry.status {
+            ListingStatus::Committed(manifest) => println!(
+                "{:>6}  {:<10}  {:<10}  {:>5}  {:>10}  {}",
+                entry.id.get(),
+                manifest.kind.to_string(),
+                "complete",
+                manifest.tasks.len(),
+                bytes(manifest.tasks.iter().map(|t| t.state_bytes).sum()),
+                created(&manifest)
+            ),
+            ListingStatus::Corrupt(error) => println!(
+                "{:>6}  {:<10}  {:<10}  {:>5}  {:>10}  {error}",
+                entry.id.get(),
+                "?",
+                "CORRUPT",
+                "?",
+                "?"
+            ),
+            ListingStatus::Incomplete { task_manifests } => println!(
+                "{:>6}  {:<10}  {:<10}  {:>5}  {:>10}  (in flight or abandoned)",
+                entry.id.get(),
+                "?",
+                "incomplete",
+                task_manifests,
+                "?"
+            ),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn show(target: &Target, id: CheckpointId) -> Result<ExitCode> {
+    let manifest = target.store.checkpoint(id).await?;
+    println!(
+        "checkpoint {} ({})",
+        manifest.checkpoint.get(),
+        manifest.kind
+    );
+    println!("  stream           {}", manifest.stream);
+    println!("  transaction      {}", manifest.trans);
+    println!("  created          {}", created(&manifest));
+    println!("  key groups       {}", manifest.max_parallelism);
+    println!(
+        "  state            {} in {} task snapshots",
+        bytes(manifest.tasks.iter().map(|t| t.state_bytes).sum()),
+        manifest.tasks.len()
+    );
+    for source in &manifest.sources {
+        let offset = source.offset.as_u64().map_or_else(
+            || format!("{} bytes", source.offset.as_bytes().len()),
+            |o| o.to_string(),
+        );
+        println!("  source {:<9} offset {offset}", source.task);
+    }
+    for reference in &manifest.tasks {
+        let snapshot = target.store.task_manifest(reference).await?;
+        println!(
+            "  {} on {}: {} in {} files, key groups {}..{}, manifest {}",
+            reference.task,
+            reference.node,
+            bytes(reference.state_bytes),
+            snapshot.files.len(),
+            snapshot.key_groups.start,
+            snapshot.key_groups.end,
+            reference.manifest
+        );
+        for file in &snapshot.files {
+            println!(
+                "      {:<28} {:>10}  sha256 {}…{}",
+                file.path.as_str(),
+                bytes(file.size),
+                &file.sha256.to_string()[..12],
+                if file.shared { "  (shared)" } else { "" }
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn verify(target: &Target, id: Option<CheckpointId>) -> Result<ExitCode> {
+    let mut ids = Vec::new();
+    let mut bad = 0usize;
+    match id {
+        Some(id) => ids.push(id),
+        None => {
+            for entry in target.store.checkpoints().await? {
+                match entry.status {
+                    ListingStatus::Committed(_) => ids.push(entry.id),
+                    ListingStatus::Corrupt(error) => {
+                        bad += 1;
+                        println!("checkpoint {}: BAD", entry.id.get());
+                        println!("  {error}");
+                    }
+                    ListingStatus::Incomplete { .. } => {}
+                }
+            }
+            if ids.is_empty() && bad == 0 {
+                println!("no committed checkpoints in {}", target.uri);
+            }
+        }
+    }
+    let reporter = Reporter::new();
+    for id in ids {
+        let report = match target
+            .store
+            .verify(id, VerifyDepth::Content, &reporter)
+            .await
+        {
+            Ok(report) => report,
+            Err(error) if error.is_unavailable() => return Err(error.into()),
+            Err(error) => {
+                bad += 1;
+                println!("checkpoint {}: BAD", id.get());
+                println!("  {error}");
+                continue;
+            }
+        };
+        if report.problems.is_empty() {
+            println!(
+                "checkpoint {}: ok ({} files, {})",
+                id.get(),
+                report.files_checked,
+                bytes(report.bytes_checked)
+            );
+        } else {
+            bad += 1;
+            println!(
+                "checkpoint {}: BAD ({} problem(s))",
+                id.get(),
+                report.problems.len()
+            );
+            for problem in &report.problems {
+                println!("  {problem}");
+            }
+        }
+    }
+    if bad > 0 {
+        eprintln!("stillpoint: {bad} checkpoint(s) failed verification");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn restore(target: &Target, id: CheckpointId, dir: PathBuf) -> Result<ExitCode> {
+    let reporter = Reporter::new();
+    let report = stillpoint_backup::restore_checkpoint(
+        &target.store,
+        id,
+        &dir,
+        &reporter,
+        JournalConfig {
+            lease: LeaseConfig {
+                settle: std::time::Duration::from_millis(100),
+                ..LeaseConfig::default()
+            },
+            ..JournalConfig::default()
+        },
+        Arc::new(SystemClock),
+    )
+    .await?;
+    println!(
+        "restored checkpoint {} into {}: {} files downloaded ({}), {} reused",
+        id.get(),
+        dir.display(),
+        report.files_downloaded,
+        bytes(report.bytes_downloaded),
+        report.files_reused
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn collect(target: &Target, dry_run: bool, keep_last: Option<usize>) -> Result<ExitCode> {
+    let mut retention = target.retention.clone();
+    if let Some(keep) = keep_last {
+        if keep == 0 {
+            bail!("--keep-last must be at least 1");
+        }
+        retention.keep_last = keep;
+    }
+    let plan = gc::plan(&target.store, &retention, SystemTime::now()).await?;
+    let ids = |list: &[CheckpointId]| {
+        if list.is_empty() {
+            "none".to_owned()
+        } else {
+            list.iter()
+                .map(|c| c.get().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let verb = if dry_run { "would delete" } else { "deleting" };
+    println!("keeping checkpoints: {}", ids(&plan.retained));
+    println!("{verb} expired checkpoints: {}", ids(&plan.expired));
+    println!("{verb} abandoned checkpoints: {}", ids(&plan.abandoned));
+    println!(
+        "{verb} {} unreferenced files ({})",
+        plan.orphans.len(),
+        bytes(plan.orphan_bytes)
+    );
+    if dry_run {
+        for orphan in &plan.orphans {
+            println!("  {orphan}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if plan.is_empty() {
+        println!("nothing to delete");
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Deleting needs the job's lease: a running job holds it and collects by itself.
+    let lease = Lease::acquire_job(
+        &target.store,
+        LeaseConfig {
+            settle: std::time::Duration::from_millis(100),
+            ..LeaseConfig::default()
+        },
+        Arc::new(SystemClock),
+    )
+    .await?;
+    let report = gc::collect(&target.store, &retention, &lease, SystemTime::now()).await;
+    lease.release().await?;
+    let report = report?;
+    println!(
+        "deleted {} checkpoint(s) and {} file(s)",
+        report.plan.expired.len() + report.plan.abandoned.len(),
+        report.orphans_deleted
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn stats(target: &Target, plot: Option<PathBuf>) -> Result<ExitCode> {
+    let history: Vec<CheckpointStats> = target
+        .store
+        .stats::<CheckpointStats>()
+        .await?
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect();
+    if history.is_empty() {
+        println!("no checkpoint statistics in {}", target.uri);
+    } else {
+        println!(
+            "{:>6}  {:<10}  {:>9}  {:>11}  {:>9}  {:>10}  {:>10}",
+            "id", "kind", "duration", "alignment", "stall", "uploaded", "state"
+        );
+        for s in &history {
+            println!(
+                "{:>6}  {:<10}  {:>6} ms  {:>8.2} ms  {:>6.2} ms  {:>10}  {:>10}",
+                s.checkpoint,
+                s.kind,
+                s.duration_millis,
+                s.max_alignment_micros as f64 / 1e3,
+                s.max_sync_micros as f64 / 1e3,
+                bytes(s.uploaded_bytes),
+                bytes(s.state_bytes)
+            );
+        }
+    }
+    if let Some(path) = plot {
+        let svg = crate::plot::svg(
+            &history,
+            &format!("stillpoint checkpoints — {}", target.uri),
+        );
+        std::fs::write(&path, svg).with_context(|| format!("cannot write {}", path.display()))?;
+        println!("chart written to {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}

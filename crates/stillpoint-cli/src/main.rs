@@ -1,0 +1,226 @@
+//! `stillpoint`: runs checkpointed stream jobs — on the embedded default (RocksDB
+//! state and a `file://` store under `./stillpoint-data`) or across processes — and
+//! inspects, verifies, restores and garbage-collects checkpoint stores.
+//!
+//! ```text
+//! stillpoint run [JOB.toml]                  the job (default: the built-in word count)
+//! stillpoint coordinator JOB.toml            a cluster job's coordinator process
+//! stillpoint node JOB.toml --node N          one of its node processes
+//! stillpoint checkpoints list | show ID | verify [ID] | restore ID DIR | gc [--dry-run]
+//!                        | stats [--plot FILE.svg]      [--store URI | --job JOB.toml]
+//! ```
+
+// A command-line tool's output is its interface.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+mod checkpoints;
+mod plot;
+mod progress;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use stillpoint::{CheckpointStats, Job, JobReport, RunOptions, StopHandle, WordInput};
+use stillpoint_wire::NodeId;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "stillpoint",
+    version,
+    about = "Checkpointed stream jobs with exactly-once results, and the stores that keep their checkpoints."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log filter for messages on stderr (`warn`, `info`, `stillpoint=debug`, …).
+    #[arg(long, global = true, env = "STILLPOINT_LOG", default_value = "warn")]
+    log: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs a job with periodic checkpoints; with no file, the built-in keyed word
+    /// count over generated words in ./stillpoint-data. Rerunning resumes from the
+    /// last checkpoint; Ctrl-C stops after a final one.
+    Run {
+        /// The job file (TOML); see examples/.
+        job: Option<PathBuf>,
+        /// Work under this directory instead of the job's `work_dir`.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// Runs the coordinator of a cluster job (`[cluster]` in the job file).
+    Coordinator {
+        /// The job file.
+        job: PathBuf,
+    },
+    /// Runs one node of a cluster job.
+    Node {
+        /// The job file.
+        job: PathBuf,
+        /// Which node (1-based, as listed in `[cluster] nodes`).
+        #[arg(long)]
+        node: u32,
+    },
+    /// Inspects and manages a checkpoint store.
+    Checkpoints(checkpoints::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    match dispatch(cli.command) {
+        Ok(code) => code,
+        Err(error) => {
+            if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+                eprintln!("stillpoint: error: {error:?}");
+            } else {
+                // One line a person can act on: the whole chain of causes, no trace.
+                let message = format!("{error:#}").replace('\n', " ");
+                eprintln!("stillpoint: error: {message}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(command: Command) -> Result<ExitCode> {
+    match command {
+        Command::Run { job, data } => run(job.as_deref(), data),
+        Command::Coordinator { job } => coordinator(&job),
+        Command::Node { job, node } => {
+            let loaded = Job::load(&job)?;
+            stillpoint::run_node(&loaded.config, &loaded.pipeline, NodeId(node))
+                .with_context(|| format!("node {node}"))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Checkpoints(args) => checkpoints::run(args),
+    }
+}
+
+fn load(job: Option<&Path>, data: Option<PathBuf>) -> Result<Job> {
+    let mut loaded = match job {
+        Some(path) => Job::load(path)?,
+        None => Job::embedded_default(),
+    };
+    if let Some(data) = data {
+        // The store and the output follow the data directory unless set explicitly.
+        if loaded.pipeline.output == loaded.config.work_dir.join("output") {
+            loaded.pipeline.output = data.join("output");
+        }
+        loaded.config.work_dir = data;
+    }
+    Ok(loaded)
+}
+
+fn describe(job: &Job) -> String {
+    let input = match &job.pipeline.input {
+        WordInput::Generated {
+            words_per_source, ..
+        } => format!("{words_per_source} generated words each"),
+        WordInput::Files { paths } => format!("{} files", paths.len()),
+        WordInput::Log { dirs } => format!("{} logs", dirs.len()),
+    };
+    format!(
+        "keyed word count: {} sources ({input}) → {} counters → exactly-once file sinks; state in {}, checkpoints to {}",
+        job.pipeline.sources,
+        job.pipeline.aggregators,
+        job.config.work_dir.display(),
+        job.config.store_uri()
+    )
+}
+
+/// Ctrl-C (or SIGTERM) pulls the stop once; a second one exits at once.
+fn stop_on_signal(stop: StopHandle) -> Result<()> {
+    let pulled = Arc::new(AtomicBool::new(false));
+    ctrlc::set_handler(move || {
+        if pulled.swap(true, Ordering::SeqCst) {
+            eprintln!("stillpoint: stopping now; the next run resumes from the last checkpoint");
+            std::process::exit(130);
+        }
+        eprintln!("stillpoint: stopping after a final checkpoint (Ctrl-C again to stop now)");
+        stop.stop();
+    })
+    .context("cannot install the Ctrl-C handler")
+}
+
+fn print_start(report: &JobReport, store: &str) {
+    for fallback in &report.fell_back_from {
+        println!(
+            "checkpoint {} does not verify, skipped: {}",
+            fallback.checkpoint.get(),
+            fallback.problem
+        );
+    }
+    match report.restored_from {
+        Some(id) => println!("resuming from checkpoint {} in {store}", id.get()),
+        None => println!("starting fresh: no checkpoint in {store}"),
+    }
+}
+
+fn print_checkpoint(stats: &CheckpointStats) {
+    println!(
+        "{:<10} {:>5}  took {:>6} ms  stall {:>7.2} ms  uploaded {:>9} of {:>9}",
+        stats.kind,
+        stats.checkpoint,
+        stats.duration_millis,
+        stats.max_sync_micros as f64 / 1e3,
+        progress::bytes(stats.uploaded_bytes),
+        progress::bytes(stats.state_bytes)
+    );
+}
+
+/// Describes the job, stops it on Ctrl-C, and prints its start and each checkpoint.
+fn announce(job: &Job) -> Result<RunOptions> {
+    println!("{}", describe(job));
+    let stop = StopHandle::new();
+    stop_on_signal(stop.clone())?;
+    let store = job.config.store_uri();
+    Ok(RunOptions {
+        stop,
+        on_start: Some(Box::new(move |report| print_start(report, &store))),
+        on_checkpoint: Some(Box::new(print_checkpoint)),
+        ..RunOptions::default()
+    })
+}
+
+fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
+    let job = load(job, data)?;
+    if job.config.cluster.is_some() {
+        anyhow::bail!(
+            "the job has a [cluster] section: start `stillpoint coordinator` and one `stillpoint node` per node instead"
+        );
+    }
+    let options = RunOptions {
+        on_metrics: Some(Box::new(|address| {
+            println!("metrics at http://{address}/metrics");
+        })),
+        ..announce(&job)?
+    };
+    let report = stillpoint::run(&job.config, &job.pipeline, options)?;
+    println!(
+        "done: {} checkpoint(s) this run; committed output in {}",
+        report.checkpoints.len(),
+        job.pipeline.output.join("committed").display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn coordinator(path: &Path) -> Result<ExitCode> {
+    let job = Job::load(path)?;
+    let options = announce(&job)?;
+    let report = stillpoint::run_coordinator(&job.config, &job.pipeline, options)?;
+    println!("done: {} checkpoint(s) this run", report.checkpoints.len());
+    Ok(ExitCode::SUCCESS)
+}
