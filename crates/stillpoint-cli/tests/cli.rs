@@ -1,6 +1,11 @@
 //! The `stillpoint` binary, driven as a person would: a small job run twice (the
 //! second resumes), the checkpoint subcommands on its store, and one-line errors.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use assert_cmd::Command;
 
@@ -57,8 +62,7 @@ fn run_then_inspect_the_store() {
     assert!(list.contains("complete"), "{list}");
     let newest: u64 = list
         .lines()
-        .filter(|l| l.contains("complete"))
-        .last()
+        .rfind(|l| l.contains("complete"))
         .and_then(|l| l.split_whitespace().next())
         .unwrap()
         .parse()
