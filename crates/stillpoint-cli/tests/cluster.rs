@@ -1,0 +1,129 @@
+//! The word count across three OS processes over TCP on loopback — a coordinator and
+//! two nodes — with a node SIGKILLed mid-run and restarted: the committed output is
+//! exactly the failure-free one.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn(args: &[&str], job: &Path, log: &Path) -> Child {
+    let log = std::fs::File::create(log).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_stillpoint"))
+        .args(args.iter().take(1))
+        .arg(job)
+        .args(args.iter().skip(1))
+        .args(["--log", "info"])
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap()
+}
+
+fn expected(words: u64, vocabulary: u32) -> Vec<(String, String)> {
+    let mut totals: BTreeMap<String, u64> = BTreeMap::new();
+    for index in 0..2 {
+        let source = stillpoint::GeneratedWords::new(42, index, words, vocabulary);
+        for position in 0..words {
+            *totals.entry(source.word(position)).or_default() += 1;
+        }
+    }
+    let mut out: Vec<(String, String)> = totals
+        .into_iter()
+        .flat_map(|(w, n)| (1..=n).map(move |k| (w.clone(), k.to_string())))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, n1, n2) = (free_port(), free_port(), free_port());
+    let words = 150_000;
+    let job = dir.path().join("cluster.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"[job]
+work_dir = "{}"
+checkpoint_interval = "50ms"
+lease_ttl = "5s"
+[cluster]
+coordinator = "127.0.0.1:{c}"
+nodes = ["127.0.0.1:{n1}", "127.0.0.1:{n2}"]
+connect_timeout = "30s"
+[pipeline]
+sources = 2
+aggregators = 3
+output = "{}"
+input = {{ kind = "generated", words_per_source = {words}, vocabulary = 300, seed = 42 }}
+"#,
+            dir.path().join("data").display(),
+            dir.path().join("out").display()
+        ),
+    )
+    .unwrap();
+    let logs = dir.path();
+    let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
+    let mut node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));
+    let mut node2 = spawn(&["node", "--node", "2"], &job, &logs.join("node2.log"));
+    // Kill node 2 once a checkpoint has been committed, then start it again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let committed = dir.path().join("data/store/checkpoints");
+    while std::fs::read_dir(&committed).map_or(0, |d| d.count()) < 2 {
+        assert!(Instant::now() < deadline, "no checkpoint within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    node2.kill().unwrap(); // SIGKILL
+    node2.wait().unwrap();
+    let mut node2 = spawn(
+        &["node", "--node", "2"],
+        &job,
+        &logs.join("node2-restarted.log"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let status = loop {
+        if let Some(status) = coordinator.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = coordinator.kill();
+            let _ = node1.kill();
+            let _ = node2.kill();
+            panic!(
+                "the cluster did not finish in 180 s; coordinator log:\n{}",
+                std::fs::read_to_string(logs.join("coordinator.log")).unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = std::fs::read_to_string(logs.join("coordinator.log")).unwrap();
+    assert!(status.success(), "coordinator failed:\n{log}");
+    assert!(node1.wait().unwrap().success());
+    assert!(node2.wait().unwrap().success());
+    assert!(
+        log.contains("failing over"),
+        "the kill was not seen:\n{log}"
+    );
+    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    output.sort();
+    let expected = expected(words, 300);
+    assert_eq!(output.len(), expected.len(), "lost or duplicated records");
+    assert_eq!(output, expected);
+}
