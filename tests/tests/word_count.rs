@@ -13,8 +13,8 @@ mod support;
 
 use std::time::Duration;
 
-use stillpoint::{JobConfig, WordCount, WordInput, run_word_count};
-use support::{committed_output, crash_loop, expected_output, percentile};
+use stillpoint::{WordCount, WordInput, run_word_count};
+use support::{committed_output, config, crash_loop, expected_output, percentile};
 
 fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {
     WordCount {
@@ -27,13 +27,6 @@ fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {
         },
         output: dir.join("out"),
     }
-}
-
-fn config(dir: &std::path::Path) -> JobConfig {
-    let mut config = JobConfig::new(dir.join("work"));
-    config.checkpoint_interval = Duration::from_millis(30);
-    config.lease_ttl = Duration::from_secs(5);
-    config
 }
 
 #[test]

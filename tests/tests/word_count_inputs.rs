@@ -12,12 +12,11 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use stillpoint::{JobConfig, RunOptions, StopHandle, WordCount, WordInput, run};
-use support::{Rng, committed_output, crash_loop, expected_output};
+use support::{Rng, committed_output, config, crash_loop, expected_output};
 
 fn text(seed: u64, lines: usize) -> String {
     let mut rng = Rng(seed);
@@ -29,13 +28,6 @@ fn text(seed: u64, lines: usize) -> String {
         out.push('\n');
     }
     out
-}
-
-fn config(dir: &Path) -> JobConfig {
-    let mut config = JobConfig::new(dir.join("work"));
-    config.checkpoint_interval = Duration::from_millis(30);
-    config.lease_ttl = Duration::from_secs(5);
-    config
 }
 
 #[test]

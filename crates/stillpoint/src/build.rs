@@ -311,14 +311,9 @@ impl Builder<'_> {
             .join(format!("task-{}", task.get()));
         let range = self.topology.key_group_range(self.groups, task)?;
         let state = self.config.state.clone();
+        let fresh = |state| RocksStateBackend::open(&db_dir, state, self.groups, range, owner);
         let Some(restore) = self.restore else {
-            return Ok(RocksStateBackend::open(
-                &db_dir,
-                state,
-                self.groups,
-                range,
-                owner,
-            )?);
+            return Ok(fresh(state)?);
         };
         if restore.same_shape(self.topology) {
             return match restore.downloads.get(&task) {
@@ -344,26 +339,20 @@ impl Builder<'_> {
                 .map(|(m, d)| (d.clone(), m.clone()))
                 .into_iter()
                 .collect(),
-            TaskLevel::Aggregate => restore
-                .downloads
-                .iter()
-                .filter(|(old, (m, _))| {
-                    Topology::of_checkpoint(&restore.manifest)
-                        .aggregators
-                        .contains(old)
-                        && m.key_groups.intersection(&range).is_some()
-                })
-                .map(|(_, (m, d))| (d.clone(), m.clone()))
-                .collect(),
+            TaskLevel::Aggregate => {
+                let old_counters = Topology::of_checkpoint(&restore.manifest).aggregators;
+                restore
+                    .downloads
+                    .iter()
+                    .filter(|(old, (m, _))| {
+                        old_counters.contains(old) && m.key_groups.intersection(&range).is_some()
+                    })
+                    .map(|(_, (m, d))| (d.clone(), m.clone()))
+                    .collect()
+            }
         };
         if sources.is_empty() {
-            return Ok(RocksStateBackend::open(
-                &db_dir,
-                state,
-                self.groups,
-                range,
-                owner,
-            )?);
+            return Ok(fresh(state)?);
         }
         Ok(RocksStateBackend::restore_rescaled(
             &sources,

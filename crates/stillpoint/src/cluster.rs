@@ -29,7 +29,7 @@ use crate::build::{
     Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
     is_corrupt_checkpoint, join_all, snapshots_needed,
 };
-use crate::coordinator::CoordinatorDriver;
+use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::job::{
     DATA_CHANNEL_CAPACITY, coordinator_machine, gc_backoff, highest_checkpoint, lease_config,
     runtime,
@@ -276,19 +276,16 @@ pub fn run_coordinator(
                 epoch: Instant::now(),
                 config,
                 sources: topology.sources.clone(),
-                finished: BTreeMap::new(),
-                offsets: BTreeMap::new(),
+                seen: Seen::default(),
                 backoff: gc_backoff(),
                 report: &mut report,
                 metrics: Arc::clone(&metrics),
                 stop: options.stop.clone(),
-                stop_after: None,
                 on_checkpoint: options.on_checkpoint.take(),
-                stash: Vec::new(),
             };
             let result = driver.run();
             options.on_checkpoint = driver.on_checkpoint.take();
-            let stashed = std::mem::take(&mut driver.stash);
+            let stashed = std::mem::take(&mut driver.seen.stash);
             (result, stashed, driver.lease)
         };
         lease = returned_lease;

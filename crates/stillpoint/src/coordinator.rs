@@ -31,16 +31,25 @@ pub(crate) struct CoordinatorDriver<'a> {
     pub(crate) epoch: Instant,
     pub(crate) config: &'a JobConfig,
     pub(crate) sources: Vec<TaskId>,
-    pub(crate) finished: BTreeMap<TaskId, SourceOffset>,
-    pub(crate) offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
+    /// What this run has learnt so far (starts empty).
+    pub(crate) seen: Seen,
     pub(crate) backoff: GcBackoff,
     pub(crate) report: &'a mut JobReport,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) stop: StopHandle,
+    pub(crate) on_checkpoint: Option<CheckpointCallback>,
+}
+
+/// The coordinator driver's own bookkeeping of one run.
+#[derive(Debug, Default)]
+pub(crate) struct Seen {
+    /// Sources that reached their end, at these offsets.
+    pub(crate) finished: BTreeMap<TaskId, SourceOffset>,
+    /// The source offsets each committed, not yet completed checkpoint covers.
+    pub(crate) offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
     /// Once a stop was requested: the newest checkpoint already triggered then; the
     /// job ends when a later one completes.
     pub(crate) stop_after: Option<CheckpointId>,
-    pub(crate) on_checkpoint: Option<CheckpointCallback>,
     /// Inputs the driver stopped at that its caller must apply (cluster mode).
     pub(crate) stash: Vec<CoordinatorInput>,
 }
@@ -79,7 +88,7 @@ impl CoordinatorDriver<'_> {
                     }
                 }
                 Ok(CoordinatorInput::SourceFinished { task, offset }) => {
-                    self.finished.insert(task, offset);
+                    self.seen.finished.insert(task, offset);
                 }
                 Ok(CoordinatorInput::TaskFailed { task, error }) => {
                     return Err(EngineError::Failed(format!("{task}: {error}")));
@@ -91,7 +100,7 @@ impl CoordinatorDriver<'_> {
                     let reason = format!("{node}: {reason}");
                     self.abort_in_flight(&reason);
                     // The cluster driver applies the loss to its node table.
-                    self.stash.push(input);
+                    self.seen.stash.push(input);
                     return Err(EngineError::NodeLost(reason));
                 }
                 Ok(input @ CoordinatorInput::Connected { .. }) => {
@@ -102,7 +111,7 @@ impl CoordinatorDriver<'_> {
                     };
                     let reason = format!("{node} restarted");
                     self.abort_in_flight(&reason);
-                    self.stash.push(input);
+                    self.seen.stash.push(input);
                     return Err(EngineError::NodeLost(reason));
                 }
                 Ok(CoordinatorInput::Node { node, message }) => {
@@ -116,7 +125,7 @@ impl CoordinatorDriver<'_> {
                     return Err(EngineError::Stopped("every task".to_owned()));
                 }
             }
-            if self.stop_after.is_none() && self.stop.requested() {
+            if self.seen.stop_after.is_none() && self.stop.requested() {
                 let newest = self
                     .coordinator
                     .in_flight()
@@ -124,7 +133,7 @@ impl CoordinatorDriver<'_> {
                     .or(self.coordinator.last_completed())
                     .unwrap_or(CheckpointId(0));
                 tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
-                self.stop_after = Some(newest);
+                self.seen.stop_after = Some(newest);
             }
             let now = self.now();
             if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
@@ -204,12 +213,13 @@ impl CoordinatorDriver<'_> {
                     self.report.checkpoints.push(stats);
                     self.collect_garbage();
                     done |= self
+                        .seen
                         .stop_after
                         .is_some_and(|after| completed.checkpoint > after);
-                    let covered = self.offsets.get(&completed.checkpoint);
-                    done |= self.finished.len() == self.sources.len()
-                        && covered.is_some_and(|offsets| *offsets == self.finished);
-                    self.offsets.retain(|id, _| *id > completed.checkpoint);
+                    let covered = self.seen.offsets.get(&completed.checkpoint);
+                    done |= self.seen.finished.len() == self.sources.len()
+                        && covered.is_some_and(|offsets| *offsets == self.seen.finished);
+                    self.seen.offsets.retain(|id, _| *id > completed.checkpoint);
                 }
                 CoordinatorAction::Aborted { checkpoint, reason } => {
                     self.metrics.checkpoint_aborted();
@@ -264,7 +274,7 @@ impl CoordinatorDriver<'_> {
         };
         self.runtime
             .block_on(self.store.commit(&manifest, &self.lease))?;
-        self.offsets.insert(
+        self.seen.offsets.insert(
             request.checkpoint,
             manifest
                 .sources

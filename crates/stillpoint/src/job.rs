@@ -23,7 +23,7 @@ use crate::build::{
     Builder, ControlMap, Restore, Topology, Wiring, clear_live_dirs, fetch_restore,
     is_corrupt_checkpoint, join_all, snapshots_needed,
 };
-use crate::coordinator::CoordinatorDriver;
+use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::metrics::Metrics;
 use crate::transport::{Links, Signals};
 use crate::{EngineError, GeneratedWords, Source};
@@ -456,15 +456,12 @@ pub fn run(
             epoch,
             config,
             sources: topology.sources.clone(),
-            finished: BTreeMap::new(),
-            offsets: BTreeMap::new(),
+            seen: Seen::default(),
             backoff: gc_backoff(),
             report: &mut report,
             metrics: Arc::clone(&metrics),
             stop: options.stop.clone(),
-            stop_after: None,
             on_checkpoint: options.on_checkpoint.take(),
-            stash: Vec::new(),
         };
         let outcome = driver.run();
         (outcome, driver.lease)

@@ -78,6 +78,15 @@ pub(crate) fn committed_output(job: &WordCount) -> Vec<(String, String)> {
     out
 }
 
+/// The end-to-end tests' job settings: work under `dir/work`, a checkpoint every
+/// 30 ms, a short lease so a crashed run's successor is never kept waiting long.
+pub(crate) fn config(dir: &std::path::Path) -> JobConfig {
+    let mut config = JobConfig::new(dir.join("work"));
+    config.checkpoint_interval = Duration::from_millis(30);
+    config.lease_ttl = Duration::from_secs(5);
+    config
+}
+
 /// A small deterministic generator (SplitMix64) for crash times.
 pub(crate) struct Rng(pub(crate) u64);
 
