@@ -76,18 +76,12 @@ fn run(args: Vec<String>) -> Result<()> {
     }
 }
 
-/// The README's first command. Until the engine and CLI land, the main job is the wire
-/// demo: a checkpoint message exchange encoded, decoded and printed.
+/// The README's first command: `stillpoint run` on the embedded default (the
+/// built-in keyed word count, RocksDB state and a `file://` store under
+/// `./stillpoint-data`), built in the dev profile so it shares the test build. Extra
+/// arguments go to `stillpoint run` (a job file, `--data DIR`).
 fn main_job(args: &[String]) -> Result<()> {
-    let mut command = vec![
-        "run",
-        "--quiet",
-        "--package",
-        "stillpoint-wire",
-        "--example",
-        "checkpoint_exchange",
-        "--",
-    ];
+    let mut command = vec!["run", "--quiet", "--package", "stillpoint-cli", "--", "run"];
     command.extend(args.iter().map(String::as_str));
     cargo(&command)
 }

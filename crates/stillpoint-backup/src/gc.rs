@@ -21,6 +21,10 @@ pub struct Retention {
     pub grace: Duration,
     /// Deletes that may fail before a run gives up (default 16).
     pub max_delete_failures: usize,
+    /// Per-checkpoint statistics documents kept, newest first (default 100), so the
+    /// history outlives the checkpoints themselves — as Flink's checkpoint history
+    /// does. A retained checkpoint's statistics are always kept.
+    pub history: usize,
 }
 
 impl Default for Retention {
@@ -29,6 +33,7 @@ impl Default for Retention {
             keep_last: 3,
             grace: Duration::from_secs(600),
             max_delete_failures: 16,
+            history: 100,
         }
     }
 }
@@ -51,13 +56,18 @@ pub struct GcPlan {
     pub orphan_bytes: u64,
     /// Unreferenced shared files kept because they are younger than the grace period.
     pub young: usize,
+    /// Statistics documents past the history window (of checkpoints not retained).
+    pub stats_expired: Vec<CheckpointId>,
 }
 
 impl GcPlan {
     /// Whether the plan deletes nothing.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.expired.is_empty() && self.abandoned.is_empty() && self.orphans.is_empty()
+        self.expired.is_empty()
+            && self.abandoned.is_empty()
+            && self.orphans.is_empty()
+            && self.stats_expired.is_empty()
     }
 }
 
@@ -146,6 +156,15 @@ pub async fn plan(
             plan.young += 1;
         }
     }
+
+    let mut with_stats = store.stats_ids().await?;
+    with_stats.sort_unstable();
+    let window_from = with_stats.len().saturating_sub(retention.history);
+    plan.stats_expired = with_stats
+        .into_iter()
+        .take(window_from)
+        .filter(|id| !plan.retained.contains(id))
+        .collect();
     Ok(plan)
 }
 
@@ -181,6 +200,15 @@ pub async fn collect(
     }
     let orphans_deleted = store
         .delete_all(plan.orphans.clone(), retention.max_delete_failures)
+        .await?;
+    store
+        .delete_all(
+            plan.stats_expired
+                .iter()
+                .map(|id| layout::stats_object(*id))
+                .collect(),
+            retention.max_delete_failures,
+        )
         .await?;
     tracing::info!(
         expired = plan.expired.len(),

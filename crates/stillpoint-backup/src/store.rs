@@ -1073,30 +1073,42 @@ impl Store {
         &self,
     ) -> Result<Vec<(CheckpointId, T)>, StoreError> {
         let mut out = Vec::new();
-        for object in self.list(layout::STATS).await? {
-            let Some(id) = object
-                .path
-                .strip_prefix(layout::STATS)
-                .and_then(|name| name.strip_suffix(".json"))
-                .and_then(|digits| digits.parse().ok())
-                .map(CheckpointId)
-            else {
-                continue;
-            };
-            let bytes = self.get(&object.path).await?;
+        for id in self.stats_ids().await? {
+            let path = layout::stats_object(id);
+            let bytes = self.get(&path).await?;
             match serde_json::from_slice(&bytes) {
                 Ok(stats) => out.push((id, stats)),
                 Err(e) => {
-                    tracing::warn!(path = object.path, error = %e, "skipping undecodable statistics")
+                    tracing::warn!(path, error = %e, "skipping undecodable statistics")
                 }
             }
         }
         Ok(out)
     }
 
+    /// The checkpoints that have a statistics document, oldest first.
+    pub(crate) async fn stats_ids(&self) -> Result<Vec<CheckpointId>, StoreError> {
+        let mut ids: Vec<CheckpointId> = self
+            .list(layout::STATS)
+            .await?
+            .iter()
+            .filter_map(|object| {
+                object
+                    .path
+                    .strip_prefix(layout::STATS)
+                    .and_then(|name| name.strip_suffix(".json"))
+                    .and_then(|digits| digits.parse().ok())
+                    .map(CheckpointId)
+            })
+            .collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
     /// Deletes a checkpoint's manifests (global manifest first, so it stops being
-    /// complete before anything it references goes) and its statistics. Shared files
-    /// are left to [`crate::gc`].
+    /// complete before anything it references goes). Its statistics stay for the
+    /// history window ([`crate::gc::Retention::history`]); shared files are left to
+    /// [`crate::gc`].
     pub async fn delete_checkpoint(&self, id: CheckpointId) -> Result<(), StoreError> {
         let commit = layout::commit_object(id);
         self.delete_all(vec![commit.clone()], 1).await?;
@@ -1106,7 +1118,6 @@ impl Store {
             .into_iter()
             .map(|o| o.path)
             .filter(|p| *p != commit)
-            .chain(std::iter::once(layout::stats_object(id)))
             .collect();
         self.delete_all(rest, 16).await.map(|_| ())
     }
@@ -1322,7 +1333,45 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .with_min_delay(retry.min_delay)
                 .with_max_delay(retry.max_delay),
         )
-        .layer(LoggingLayer::default()))
+        .layer(LoggingLayer::new(StoreLog)))
+}
+
+/// OpenDAL's operation log through `tracing`, at levels a person running a job can
+/// live with: a missing object or a lost conditional write is how the store asks
+/// "is this already uploaded?" and "did someone else commit?", so those are `debug`,
+/// not the default layer's `warn` on every deduplicated file; other failures (each
+/// one retried below) are `warn`, unexpected ones `error`. Paths are logged,
+/// credentials never are: the context holds only the operation's path and ranges.
+#[derive(Debug, Clone, Copy)]
+struct StoreLog;
+
+impl opendal::layers::LoggingInterceptor for StoreLog {
+    fn log(
+        &self,
+        info: &opendal::raw::ServiceInfo,
+        operation: opendal::raw::Operation,
+        context: &[(&str, &str)],
+        message: &str,
+        err: Option<&opendal::Error>,
+    ) {
+        let path = context
+            .iter()
+            .find(|(key, _)| *key == "path")
+            .map_or("", |(_, value)| *value);
+        let scheme = info.scheme();
+        match err.map(opendal::Error::kind) {
+            None => tracing::trace!(scheme, path, %operation, "{message}"),
+            Some(ErrorKind::NotFound | ErrorKind::ConditionNotMatch | ErrorKind::AlreadyExists) => {
+                tracing::debug!(scheme, path, %operation, error = %err.map(ToString::to_string).unwrap_or_default(), "{message}");
+            }
+            Some(ErrorKind::Unexpected) => {
+                tracing::error!(scheme, path, %operation, error = ?err, "{message}");
+            }
+            Some(_) => {
+                tracing::warn!(scheme, path, %operation, error = %err.map(ToString::to_string).unwrap_or_default(), "{message}");
+            }
+        }
+    }
 }
 
 /// The process-wide memory store called `name` (the bare operator; layers are added

@@ -338,6 +338,10 @@ async fn collect(target: &Target, dry_run: bool, keep_last: Option<usize>) -> Re
     println!("{verb} expired checkpoints: {}", ids(&plan.expired));
     println!("{verb} abandoned checkpoints: {}", ids(&plan.abandoned));
     println!(
+        "{verb} statistics past the history window: {}",
+        ids(&plan.stats_expired)
+    );
+    println!(
         "{verb} {} unreferenced files ({})",
         plan.orphans.len(),
         bytes(plan.orphan_bytes)

@@ -13,6 +13,18 @@
 // A command-line tool's output is its interface.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+/// `println!` that ends the process quietly when stdout is closed (`stillpoint
+/// checkpoints list | head`): a closed pipe is the reader saying it has seen enough,
+/// not a reason to panic, which std's `println!` does. Shadows std's in every module.
+macro_rules! println {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(error) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::stdout_failed(&error)
+        }
+    }};
+}
+
 mod checkpoints;
 mod plot;
 mod progress;
@@ -93,6 +105,16 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Stdout cannot be written: a closed pipe exits as a shell reports a process ended
+/// by SIGPIPE (141), silently; anything else is said on stderr.
+fn stdout_failed(error: &std::io::Error) -> ! {
+    if error.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    eprintln!("stillpoint: error: cannot write to stdout: {error}");
+    std::process::exit(1);
 }
 
 fn dispatch(command: Command) -> Result<ExitCode> {

@@ -24,13 +24,34 @@ fn escape(text: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// The tick spacing nearest to `raw` per step among 1, 2 and 5 × 10ⁿ.
+fn nice_step(raw: f64) -> f64 {
+    if !raw.is_finite() || raw <= 0.0 {
+        return 1.0;
+    }
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let fraction = raw / magnitude;
+    let nice = if fraction < 1.5 {
+        1.0
+    } else if fraction < 3.0 {
+        2.0
+    } else if fraction < 7.0 {
+        5.0
+    } else {
+        10.0
+    };
+    nice * magnitude
+}
+
 /// One panel at vertical offset `top`: axes, ticks, a polyline per series.
 fn panel(out: &mut String, top: f64, title: &str, unit: &str, ids: &[u64], series: &[Series<'_>]) {
-    let max = series
+    let peak = series
         .iter()
         .flat_map(|s| s.values.iter().copied())
-        .fold(0.0_f64, f64::max)
-        .max(1e-9);
+        .fold(0.0_f64, f64::max);
+    let step = nice_step(peak / 4.0);
+    let ticks = (peak / step).ceil().max(1.0);
+    let max = step * ticks;
     let plot_width = WIDTH - LEFT - RIGHT;
     let x = |i: usize| {
         if ids.len() <= 1 {
@@ -50,16 +71,23 @@ fn panel(out: &mut String, top: f64, title: &str, unit: &str, ids: &[u64], serie
         out,
         r##"<rect x="{LEFT}" y="{top}" width="{plot_width}" height="{PANEL}" fill="none" stroke="#888"/>"##
     );
-    for step in 0..=4 {
-        let value = max * f64::from(step) / 4.0;
+    let decimals = match step {
+        s if s >= 1.0 => 0,
+        s if s >= 0.1 => 1,
+        s if s >= 0.01 => 2,
+        _ => 3,
+    };
+    let mut tick = 0.0;
+    while tick <= max + step / 2.0 {
         let _ = writeln!(
             out,
-            r##"<line x1="{LEFT}" x2="{}" y1="{y0:.1}" y2="{y0:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" font-size="11" text-anchor="end">{value:.1} {unit}</text>"##,
+            r##"<line x1="{LEFT}" x2="{}" y1="{y0:.1}" y2="{y0:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" font-size="11" text-anchor="end">{tick:.decimals$} {unit}</text>"##,
             WIDTH - RIGHT,
             LEFT - 6.0,
-            y(value) + 4.0,
-            y0 = y(value),
+            y(tick) + 4.0,
+            y0 = y(tick),
         );
+        tick += step;
     }
     let labels = ids.len().clamp(1, 10);
     for k in 0..labels {
@@ -99,8 +127,9 @@ fn panel(out: &mut String, top: f64, title: &str, unit: &str, ids: &[u64], serie
                 );
             }
         }
-        let legend_x = WIDTH - RIGHT - 200.0;
-        let legend_y = top + 16.0 + 16.0 * n as f64;
+        // Legends sit in the title row, right-aligned, so they never cover data.
+        let legend_x = WIDTH - RIGHT - 150.0 * (series.len() - n) as f64;
+        let legend_y = top - 10.0;
         let _ = writeln!(
             out,
             r#"<rect x="{legend_x}" y="{:.1}" width="12" height="4" fill="{}"/><text x="{}" y="{legend_y:.1}" font-size="12">{}</text>"#,
@@ -131,7 +160,7 @@ pub(crate) fn svg(history: &[CheckpointStats], title: &str) -> String {
     panel(
         &mut out,
         TOP + 10.0,
-        "Checkpoint duration (trigger → commit) and longest task stall",
+        "Duration (trigger → commit), longest stall",
         "ms",
         &ids,
         &[
@@ -154,7 +183,7 @@ pub(crate) fn svg(history: &[CheckpointStats], title: &str) -> String {
     panel(
         &mut out,
         TOP + PANEL + GAP + 10.0,
-        "Checkpoint size: full state vs uploaded",
+        "Size: full state, uploaded",
         "MiB",
         &ids,
         &[
@@ -202,5 +231,17 @@ mod tests {
         assert!(svg.contains("a &lt;store&gt;"));
         assert_eq!(svg.matches("<polyline").count(), 4);
         assert_eq!(svg.matches("<circle").count(), 20);
+        // Round ticks: 0, 20, …, 120 ms for durations up to 105 ms.
+        assert!(svg.contains(">120 ms<") && svg.contains(">0 ms<"), "{svg}");
+    }
+
+    #[test]
+    fn ticks_are_round_numbers() {
+        assert!((nice_step(210.75) - 200.0).abs() < 1e-9);
+        assert!((nice_step(80.0) - 100.0).abs() < 1e-9);
+        assert!((nice_step(1.55) - 2.0).abs() < 1e-9);
+        assert!((nice_step(0.03) - 0.05).abs() < 1e-12);
+        assert!((nice_step(0.0) - 1.0).abs() < 1e-12);
+        assert!((nice_step(f64::NAN) - 1.0).abs() < 1e-12);
     }
 }

@@ -13,25 +13,28 @@ fn stillpoint() -> Command {
     Command::cargo_bin("stillpoint").unwrap()
 }
 
+/// Writes `dir/NAME`: a job working under `dir/data` with a checkpoint every 50 ms,
+/// then `rest` (more sections).
+fn write_job(dir: &std::path::Path, name: &str, rest: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    let header = format!(
+        "[job]\nwork_dir = \"{}\"\ncheckpoint_interval = \"50ms\"\nlease_ttl = \"5s\"\n",
+        dir.join("data").display()
+    );
+    std::fs::write(&path, header + rest).unwrap();
+    path
+}
+
 fn job_file(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        format!(
-            r#"[job]
-work_dir = "{}"
-checkpoint_interval = "50ms"
-lease_ttl = "5s"
-[pipeline]
+    write_job(
+        dir,
+        "job.toml",
+        r#"[pipeline]
 sources = 2
 aggregators = 2
-input = {{ kind = "generated", words_per_source = 20000, vocabulary = 100 }}
+input = { kind = "generated", words_per_source = 20000, vocabulary = 100 }
 "#,
-            dir.join("data").display()
-        ),
     )
-    .unwrap();
-    path
 }
 
 fn stdout(command: &mut Command) -> String {
@@ -60,6 +63,19 @@ fn run_then_inspect_the_store() {
             .arg(&job),
     );
     assert!(list.contains("complete"), "{list}");
+    // A reader that closes the pipe early (`| head`) ends the listing quietly.
+    let mut closed = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
+        .args(["checkpoints", "list", "--job"])
+        .arg(&job)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(closed.stdout.take());
+    let output = closed.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(141), "{stderr}");
     let newest: u64 = list
         .lines()
         .rfind(|l| l.contains("complete"))
@@ -173,4 +189,143 @@ fn bad_input_is_one_line_naming_what_is_wrong() {
     let store = format!("file://{}", dir.path().join("empty").display());
     let error = one_line_error(stillpoint().args(["checkpoints", "show", "7", "--store", &store]));
     assert!(error.contains('7'), "{error}");
+}
+
+#[test]
+fn missing_s3_credentials_are_named() {
+    let error = one_line_error(
+        stillpoint()
+            .env_remove("AWS_ACCESS_KEY_ID")
+            .env_remove("AWS_SECRET_ACCESS_KEY")
+            .args([
+                "checkpoints",
+                "list",
+                "--store",
+                "s3://bucket/prefix?endpoint=http://127.0.0.1:1&region=us-east-1",
+            ]),
+    );
+    assert!(
+        error.contains("missing credentials") && error.contains("AWS_ACCESS_KEY_ID"),
+        "{error}"
+    );
+}
+
+/// A running job holds its store's lease: a second run on the same store is refused
+/// with who holds it and until when, and Ctrl-C (SIGINT) stops the first after a
+/// final checkpoint.
+#[test]
+fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("log");
+    std::fs::create_dir_all(&logs).unwrap();
+    std::fs::write(logs.join("0000.log"), "a b c\nb c\nc\n").unwrap();
+    let job = write_job(
+        dir.path(),
+        "log.toml",
+        &format!(
+            "[pipeline]\nsources = 1\naggregators = 1\ninput = {{ kind = \"log\", dirs = [\"{}\"] }}\n",
+            logs.display()
+        ),
+    );
+    let mut first = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
+        .arg("run")
+        .arg(&job)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    while !seen.iter().any(|l: &String| l.starts_with("checkpoint ")) {
+        seen.push(lines.next().expect("the first run ended early").unwrap());
+    }
+
+    let error = one_line_error(stillpoint().arg("run").arg(&job));
+    let pid = first.id().to_string();
+    assert!(
+        error.contains("leased to")
+            && error.contains(&format!("pid {pid}"))
+            && error.contains("until"),
+        "{error}"
+    );
+
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(first.wait().unwrap().success(), "{rest:?}");
+    assert!(rest.iter().any(|l| l.starts_with("done:")), "{rest:?}");
+    let committed: String = std::fs::read_dir(dir.path().join("data/output/committed"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    for (word, count) in [("a", 1), ("b", 2), ("c", 3)] {
+        assert!(
+            committed.lines().any(|l| l == format!("{word}\t{count}")),
+            "{word}: {committed}"
+        );
+    }
+}
+
+/// Every example job file loads; the default and the files example run as shipped.
+#[test]
+fn the_example_job_files_load_and_run() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&examples).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            stillpoint::Job::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            names.push(path.file_name().unwrap().to_string_lossy().into_owned());
+        }
+    }
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "word-count-cluster.toml",
+            "word-count-files.toml",
+            "word-count-log.toml",
+            "word-count-s3.toml",
+            "word-count.toml"
+        ]
+    );
+
+    // Relative paths are relative to where stillpoint runs.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("input")).unwrap();
+    let part: String = (0..5000).map(|i| format!("w{} apple\n", i % 7)).collect();
+    std::fs::write(dir.path().join("input/part-0.txt"), &part).unwrap();
+    std::fs::write(dir.path().join("input/part-1.txt"), &part).unwrap();
+    let out = stdout(
+        stillpoint()
+            .current_dir(dir.path())
+            .arg("run")
+            .arg(examples.join("word-count-files.toml")),
+    );
+    assert!(out.contains("done:"), "{out}");
+    let committed: String = std::fs::read_dir(dir.path().join("stillpoint-files/output/committed"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    assert!(
+        committed.lines().any(|l| l == "apple\t10000"),
+        "{committed}"
+    );
+
+    let out = stdout(
+        stillpoint()
+            .current_dir(dir.path())
+            .arg("run")
+            .arg(examples.join("word-count.toml")),
+    );
+    assert!(
+        out.contains("starting fresh") && out.contains("done:"),
+        "{out}"
+    );
+    assert!(dir.path().join("stillpoint-data/store").is_dir());
 }

@@ -23,6 +23,7 @@
 //! [retention]
 //! keep_last = 3                     # periodic checkpoints kept; savepoints always are
 //! grace = "10m"                     # objects younger than this are never deleted
+//! history = 100                    # checkpoint statistics kept for `checkpoints stats`
 //!
 //! [state]
 //! compression = "lz4"               # none | lz4 | zstd
@@ -231,6 +232,7 @@ struct RetentionSection {
     keep_last: usize,
     #[serde(with = "humantime_serde")]
     grace: Duration,
+    history: usize,
 }
 
 impl Default for RetentionSection {
@@ -239,6 +241,7 @@ impl Default for RetentionSection {
         Self {
             keep_last: defaults.keep_last,
             grace: defaults.grace,
+            history: defaults.history,
         }
     }
 }
@@ -481,6 +484,7 @@ impl JobFile {
         config.retention = Retention {
             keep_last: retention.keep_last,
             grace: retention.grace,
+            history: retention.history,
             ..Retention::default()
         };
         config.max_parallelism = job.max_parallelism;

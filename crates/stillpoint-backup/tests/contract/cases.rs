@@ -723,6 +723,9 @@ pub async fn gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the
     let clock = Arc::new(ManualClock::new(1_000));
     let lease = job_lease(&store, "gc", &clock).await;
     history(&store, &lease, dir.path(), &[1, 2, 3, 4, 6, 7]).await;
+    for id in [1u64, 2, 3, 4, 6, 7] {
+        store.put_stats(CheckpointId(id), &id).await.unwrap();
+    }
     // An abandoned attempt (5, older than the newest commit) and one in flight (8).
     for (id, name) in [(5u64, "abandoned.sst"), (8, "new.sst")] {
         let local = dir.path().join(format!("attempt-{id}"));
@@ -743,6 +746,7 @@ pub async fn gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the
         keep_last: 2,
         grace: Duration::from_secs(3600),
         max_delete_failures: 4,
+        history: 4,
     };
     // Everything was just written: inside the grace period nothing shared goes.
     let now = SystemTime::now();
@@ -758,6 +762,9 @@ pub async fn gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the
     assert_eq!(young.untouched, vec![CheckpointId(5), CheckpointId(8)]);
     assert!(young.abandoned.is_empty());
     assert!(young.orphans.is_empty());
+    // The history window (4) outlives retention: the statistics of expired 3 and 4
+    // stay; of the two oldest, 2 is a savepoint and stays with it.
+    assert_eq!(young.stats_expired, vec![CheckpointId(1)]);
     assert_eq!(
         young.young, 3,
         "own.sst of 1, 3 and 4 are unreferenced but young"
@@ -797,6 +804,14 @@ pub async fn gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the
         .unwrap();
     assert_eq!(report.plan, plan);
     assert_eq!(report.orphans_deleted, 4);
+    let kept_stats: Vec<u64> = store
+        .stats::<u64>()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    assert_eq!(kept_stats, vec![2, 3, 4, 6, 7]);
     let ids: Vec<_> = store
         .checkpoints()
         .await
