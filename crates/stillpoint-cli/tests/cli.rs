@@ -120,6 +120,34 @@ fn run_then_inspect_the_store() {
             .arg(&job),
     );
     assert!(restored.contains("restored checkpoint"), "{restored}");
+    // One directory per task of the job (2 sources, 2 counters, 2 sinks), each a
+    // RocksDB checkpoint, and the global manifest beside them.
+    for task in 1..=6 {
+        assert!(
+            target.join(format!("task-{task}/CURRENT")).is_file(),
+            "task-{task}"
+        );
+    }
+    assert!(target.join("_checkpoint.json").is_file());
+
+    // A real collection keeping only the newest: the others are gone, it verifies.
+    let gc = stdout(
+        stillpoint()
+            .args(["checkpoints", "gc", "--keep-last", "1", "--job"])
+            .arg(&job),
+    );
+    assert!(gc.contains("deleted"), "{gc}");
+    let list = stdout(
+        stillpoint()
+            .args(["checkpoints", "list", "--job"])
+            .arg(&job),
+    );
+    let complete: Vec<&str> = list.lines().filter(|l| l.contains("complete")).collect();
+    assert_eq!(complete.len(), 1, "{list}");
+    assert!(
+        complete[0].trim_start().starts_with(&newest.to_string()),
+        "{list}"
+    );
 
     // A flipped byte in a stored file: verify names it and exits non-zero.
     let shared = dir.path().join("data/store");
