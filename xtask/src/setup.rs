@@ -1,7 +1,8 @@
 //! `cargo xtask setup`: the build prerequisites of the whole workspace.
 //!
 //! The `rocksdb` crate compiles RocksDB's C++ and generates its bindings with bindgen,
-//! which loads libclang at build time. Both are checked here; when one is missing and
+//! which loads libclang at build time; the binary's allocator (jemalloc) is built
+//! with `make`. All three are checked here; when one is missing and
 //! Debian's `apt-get` can be used (as root, or through password-less sudo) they are
 //! installed, otherwise the exact command is printed and setup fails.
 
@@ -13,7 +14,7 @@ use anyhow::{Result, bail};
 use crate::util::{capture, run_command, runs};
 
 /// Debian packages providing what is missing.
-const APT_PACKAGES: [&str; 3] = ["libclang-dev", "clang", "g++"];
+const APT_PACKAGES: [&str; 4] = ["libclang-dev", "clang", "g++", "make"];
 
 struct Check {
     what: &'static str,
@@ -31,6 +32,10 @@ fn checks() -> Vec<Check> {
         Check {
             what: "libclang (for bindgen in librocksdb-sys)",
             ok: find_libclang().is_some(),
+        },
+        Check {
+            what: "make (for jemalloc in tikv-jemalloc-sys)",
+            ok: runs("make", "--version"),
         },
     ]
 }

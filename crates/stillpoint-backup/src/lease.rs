@@ -82,26 +82,52 @@ pub struct LeaseConfig {
     /// earlier run: the earlier holder is known dead. The takeover still claims a new
     /// owner id, so the dead run is fenced.
     pub reclaim_own: bool,
+    /// Take over an unexpired lease whose holder is a process of this host that no
+    /// longer exists (default true): a coordinator restarted after a crash need not
+    /// wait out its dead predecessor's TTL. Only holders named `HOST pid PID` with
+    /// this host's name are judged, and only where `/proc` shows processes; a reused
+    /// pid makes us wait, never take over from a live holder. The dead holder is
+    /// fenced by the new owner id like any lost lease.
+    pub reclaim_dead_local: bool,
+}
+
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown-host".to_owned())
 }
 
 impl Default for LeaseConfig {
     fn default() -> Self {
-        let host = std::env::var("HOSTNAME")
-            .ok()
-            .filter(|h| !h.is_empty())
-            .or_else(|| {
-                std::fs::read_to_string("/etc/hostname")
-                    .ok()
-                    .map(|h| h.trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown-host".to_owned());
         Self {
             ttl: Duration::from_secs(60),
             settle: Duration::from_secs(1),
-            holder: format!("{host} pid {}", std::process::id()),
+            holder: format!("{} pid {}", host_name(), std::process::id()),
             reclaim_own: false,
+            reclaim_dead_local: true,
         }
     }
+}
+
+/// Whether `holder` names a process of this host (`HOST pid PID`) that has exited.
+fn is_dead_local(holder: &str) -> bool {
+    let Some((host, pid)) = holder.rsplit_once(" pid ") else {
+        return false;
+    };
+    let Ok(pid) = pid.parse::<u32>() else {
+        return false;
+    };
+    let proc = std::path::Path::new("/proc");
+    host == host_name()
+        && pid != std::process::id()
+        && proc.join("self").exists()
+        && !proc.join(pid.to_string()).exists()
 }
 
 /// The content of a lease file.
@@ -179,8 +205,16 @@ impl Lease {
         let current = read_current(store, &scope).await?;
         if let Some(current) = &current {
             let own = config.reclaim_own && current.holder == config.holder;
-            if current.live_at(now) && !own {
+            let dead = config.reclaim_dead_local && is_dead_local(&current.holder);
+            if current.live_at(now) && !own && !dead {
                 return Err(held(current));
+            }
+            if current.live_at(now) && dead {
+                tracing::info!(
+                    holder = current.holder,
+                    owner = current.owner,
+                    "taking over the lease of a process of this host that has exited"
+                );
             }
         }
         let highest_claim = claims(store, &scope).await?.last().copied().unwrap_or(0);

@@ -25,6 +25,12 @@ macro_rules! println {
     }};
 }
 
+// jemalloc, as TiKV and RisingWave use: glibc's malloc stalls a task for hundreds
+// of milliseconds when the fastbins of a freed multi-million-entry frozen state map
+// are consolidated (docs/performance.md, the barrier-stall figure).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod checkpoints;
 mod plot;
 mod progress;

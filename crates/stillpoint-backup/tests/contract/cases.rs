@@ -636,6 +636,38 @@ pub async fn a_held_lease_is_refused_with_its_holder_and_expiry_and_taken_over_a
         third.check().await,
         Err(StoreError::LeaseLost { .. })
     ));
+
+    // A restarted process need not wait out the TTL of a dead predecessor on this
+    // host: a holder `HOST pid PID` whose process is gone is taken over (and fenced);
+    // a live one on this host (ourselves, under another name) is not.
+    let defaults = LeaseConfig::default();
+    let host = defaults.holder.rsplit_once(" pid ").unwrap().0.to_owned();
+    let dead = format!("{host} pid 4294967295");
+    let alive = format!("{host} pid 1");
+    reclaimed.release().await.unwrap();
+    let by_dead = job_lease(&store, &dead, &clock).await;
+    let refused = LeaseConfig {
+        reclaim_dead_local: false,
+        ..quick_lease("node-e")
+    };
+    assert!(matches!(
+        Lease::acquire_job(&store, refused, clock.clone()).await,
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    let successor = Lease::acquire_job(&store, quick_lease("node-e"), clock.clone())
+        .await
+        .unwrap();
+    assert!(successor.owner() > by_dead.owner());
+    assert!(matches!(
+        by_dead.check().await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    successor.release().await.unwrap();
+    let _by_alive = job_lease(&store, &alive, &clock).await;
+    assert!(matches!(
+        Lease::acquire_job(&store, quick_lease("node-f"), clock.clone()).await,
+        Err(StoreError::LeaseHeld { .. })
+    ));
 }
 
 trait Now {

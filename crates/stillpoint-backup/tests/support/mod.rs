@@ -222,6 +222,7 @@ pub fn quick_lease(holder: &str) -> LeaseConfig {
         settle: Duration::ZERO,
         holder: holder.to_owned(),
         reclaim_own: false,
+        reclaim_dead_local: true,
     }
 }
 
