@@ -8,76 +8,18 @@
     clippy::indexing_slicing
 )]
 
-use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+mod support;
+
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn(args: &[&str], job: &Path, log: &Path) -> Child {
-    let log = std::fs::File::create(log).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_stillpoint"))
-        .args(args.iter().take(1))
-        .arg(job)
-        .args(args.iter().skip(1))
-        .args(["--log", "info"])
-        .stdout(Stdio::from(log.try_clone().unwrap()))
-        .stderr(Stdio::from(log))
-        .spawn()
-        .unwrap()
-}
-
-fn expected(words: u64, vocabulary: u32) -> Vec<(String, String)> {
-    let mut totals: BTreeMap<String, u64> = BTreeMap::new();
-    for index in 0..2 {
-        let source = stillpoint::GeneratedWords::new(42, index, words, vocabulary);
-        for position in 0..words {
-            *totals.entry(source.word(position)).or_default() += 1;
-        }
-    }
-    let mut out: Vec<(String, String)> = totals
-        .into_iter()
-        .flat_map(|(w, n)| (1..=n).map(move |k| (w.clone(), k.to_string())))
-        .collect();
-    out.sort();
-    out
-}
+use support::{expected, free_port, spawn, word_count_job};
 
 #[test]
 fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let dir = tempfile::tempdir().unwrap();
     let (c, n1, n2) = (free_port(), free_port(), free_port());
     let words = 150_000;
-    let job = dir.path().join("cluster.toml");
-    std::fs::write(
-        &job,
-        format!(
-            r#"[job]
-work_dir = "{}"
-checkpoint_interval = "50ms"
-lease_ttl = "5s"
-[cluster]
-coordinator = "127.0.0.1:{c}"
-nodes = ["127.0.0.1:{n1}", "127.0.0.1:{n2}"]
-connect_timeout = "30s"
-[pipeline]
-sources = 2
-aggregators = 3
-output = "{}"
-input = {{ kind = "generated", words_per_source = {words}, vocabulary = 300, seed = 42 }}
-"#,
-            dir.path().join("data").display(),
-            dir.path().join("out").display()
-        ),
-    )
-    .unwrap();
+    let job = word_count_job(dir.path(), words, Some((c, n1, n2)));
     let logs = dir.path();
     let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
     let mut node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));

@@ -1,0 +1,126 @@
+//! What the binary's multi-process tests share: free loopback ports, spawning
+//! `stillpoint` with its output in a log file, the failure-free output of the
+//! generated word count, and a seeded generator for kill times.
+#![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `stillpoint ARGS[0] JOB ARGS[1..] --log info`, stdout and stderr to `log`.
+pub(crate) fn spawn(args: &[&str], job: &Path, log: &Path) -> Child {
+    let log = std::fs::File::create(log).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_stillpoint"))
+        .args(args.iter().take(1))
+        .arg(job)
+        .args(args.iter().skip(1))
+        .args(["--log", "info"])
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap()
+}
+
+/// The word count's committed output without failures: for every word seen `n` times
+/// over both generated sources, the lines `word k` for `k` in `1..=n`, sorted.
+pub(crate) fn expected(words: u64, vocabulary: u32) -> Vec<(String, String)> {
+    let mut totals: BTreeMap<String, u64> = BTreeMap::new();
+    for index in 0..2 {
+        let source = stillpoint::GeneratedWords::new(42, index, words, vocabulary);
+        for position in 0..words {
+            *totals.entry(source.word(position)).or_default() += 1;
+        }
+    }
+    let mut out: Vec<(String, String)> = totals
+        .into_iter()
+        .flat_map(|(w, n)| (1..=n).map(move |k| (w.clone(), k.to_string())))
+        .collect();
+    out.sort();
+    out
+}
+
+/// A word-count job file in `dir`: two generated sources of `words` words each
+/// (vocabulary 300), three counters, a checkpoint every 50 ms, output in `dir/out`;
+/// `cluster` adds a `[cluster]` section (coordinator, nodes).
+pub(crate) fn word_count_job(
+    dir: &Path,
+    words: u64,
+    cluster: Option<(u16, u16, u16)>,
+) -> std::path::PathBuf {
+    let cluster = cluster.map_or(String::new(), |(c, n1, n2)| {
+        format!(
+            "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n"
+        )
+    });
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"[job]
+work_dir = "{}"
+checkpoint_interval = "50ms"
+lease_ttl = "5s"
+{cluster}[pipeline]
+sources = 2
+aggregators = 3
+output = "{}"
+input = {{ kind = "generated", words_per_source = {words}, vocabulary = 300, seed = 42 }}
+"#,
+            dir.join("data").display(),
+            dir.join("out").display()
+        ),
+    )
+    .unwrap();
+    job
+}
+
+/// Records missing from `output` and records in it more often than in `expected`
+/// (both sorted).
+pub(crate) fn lost_and_duplicated(
+    output: &[(String, String)],
+    expected: &[(String, String)],
+) -> (usize, usize) {
+    let mut counts: BTreeMap<&(String, String), i64> = BTreeMap::new();
+    for line in expected {
+        *counts.entry(line).or_default() += 1;
+    }
+    for line in output {
+        *counts.entry(line).or_default() -= 1;
+    }
+    let lost = counts
+        .values()
+        .filter(|c| **c > 0)
+        .map(|c| *c as usize)
+        .sum();
+    let duplicated = counts
+        .values()
+        .filter(|c| **c < 0)
+        .map(|c| (-*c) as usize)
+        .sum();
+    (lost, duplicated)
+}
+
+/// SplitMix64, for reproducible kill times.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}

@@ -1,0 +1,225 @@
+//! The crash loop through the real binary: `stillpoint run` (one process) or a
+//! coordinator and two nodes over TCP (three processes) on a finite word count,
+//! SIGKILLed at uniformly random times — during start-up and restore, processing,
+//! upload, the manifest write, GC — and restarted until the input is consumed; then
+//! the committed output must be exactly the failure-free one: 0 lost, 0 duplicated.
+//!
+//! Kill times are uniform over `0..D` after each (re)start, where `D` is how long a
+//! failure-free round took on this machine just before (measured, so kills land in
+//! every phase whatever the build and load); a restarted run resumes and finishes
+//! once it gets a long enough quiet spell. CI runs a few kills per mode; `cargo xtask torture --runs N [--procs 1|3]` runs
+//! N (`STILLPOINT_TORTURE_KILLS`, `STILLPOINT_TORTURE_SEED`, `STILLPOINT_TORTURE_PROCS`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stderr
+)]
+
+mod support;
+
+use std::path::Path;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use support::{Rng, expected, free_port, lost_and_duplicated, spawn, word_count_job};
+
+const WORDS: u64 = 40_000;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn wanted(mode: u64) -> bool {
+    std::env::var("STILLPOINT_TORTURE_PROCS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_none_or(|procs| procs == mode)
+}
+
+/// Sleeps up to `delay`, returning early if `child` exits; its status if it did.
+fn wait_up_to(child: &mut Child, delay: Duration) -> Option<std::process::ExitStatus> {
+    let until = Instant::now() + delay;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn kill(child: &mut Child) {
+    let _ = child.kill(); // SIGKILL
+    let _ = child.wait();
+}
+
+fn log_of(dir: &Path, name: &str) -> String {
+    std::fs::read_to_string(dir.join(name)).unwrap_or_default()
+}
+
+/// Checks one finished round's output; the figures for the summary line.
+fn check_round(dir: &Path) -> usize {
+    let mut output = stillpoint::read_committed(&dir.join("out")).unwrap();
+    output.sort();
+    let expected = expected(WORDS, 300);
+    let (lost, duplicated) = lost_and_duplicated(&output, &expected);
+    assert_eq!(
+        (lost, duplicated),
+        (0, 0),
+        "records lost / duplicated in {}",
+        dir.display()
+    );
+    assert_eq!(output, expected);
+    output.len()
+}
+
+#[test]
+fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
+    if !wanted(1) {
+        return;
+    }
+    let target = env_or("STILLPOINT_TORTURE_KILLS", 6);
+    let mut rng = Rng(env_or("STILLPOINT_TORTURE_SEED", 1));
+    let (mut kills, mut rounds, mut records) = (0, 0, 0);
+    let started = Instant::now();
+    let calibration = tempfile::tempdir().unwrap();
+    let job = word_count_job(calibration.path(), WORDS, None);
+    let mut run = spawn(&["run"], &job, &calibration.path().join("run.log"));
+    assert!(
+        run.wait().unwrap().success(),
+        "{}",
+        log_of(calibration.path(), "run.log")
+    );
+    let span = millis(started.elapsed());
+    check_round(calibration.path());
+    while kills < target {
+        rounds += 1;
+        let dir = tempfile::tempdir().unwrap();
+        let job = word_count_job(dir.path(), WORDS, None);
+        let mut restarts = 0;
+        loop {
+            let log = format!("run-{restarts}.log");
+            let mut run = spawn(&["run"], &job, &dir.path().join(&log));
+            let delay = Duration::from_millis(rng.below(span));
+            match wait_up_to(&mut run, delay) {
+                Some(status) => {
+                    assert!(
+                        status.success(),
+                        "run failed:\n{}",
+                        log_of(dir.path(), &log)
+                    );
+                    break;
+                }
+                None => {
+                    kill(&mut run);
+                    kills += 1;
+                    restarts += 1;
+                }
+            }
+            assert!(restarts < 200, "no progress after 200 restarts");
+        }
+        records += check_round(dir.path());
+    }
+    eprintln!(
+        "torture (1 process): {kills} SIGKILLs uniform over a {span} ms failure-free run, {rounds} rounds, {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn three_processes_sigkilled_at_random_lose_and_duplicate_nothing() {
+    if !wanted(3) {
+        return;
+    }
+    let target = env_or("STILLPOINT_TORTURE_KILLS", 4);
+    let mut rng = Rng(env_or("STILLPOINT_TORTURE_SEED", 1) ^ 0x5EED);
+    let (mut rounds, mut records) = (0, 0);
+    let mut killed = [0u64; 3];
+    let started = Instant::now();
+    let span = {
+        let dir = tempfile::tempdir().unwrap();
+        cluster_round(dir.path(), &mut rng, None, &mut killed);
+        check_round(dir.path());
+        millis(started.elapsed())
+    };
+    while killed.iter().sum::<u64>() < target {
+        rounds += 1;
+        let dir = tempfile::tempdir().unwrap();
+        cluster_round(dir.path(), &mut rng, Some(span), &mut killed);
+        records += check_round(dir.path());
+    }
+    let kills: u64 = killed.iter().sum();
+    eprintln!(
+        "torture (3 processes): {kills} SIGKILLs (coordinator {}, node 1 {}, node 2 {}) uniform over a {span} ms failure-free run, {rounds} rounds, {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
+        killed[0],
+        killed[1],
+        killed[2],
+        started.elapsed().as_secs_f64()
+    );
+}
+
+fn millis(elapsed: Duration) -> u64 {
+    u64::try_from(elapsed.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// One run of the cluster job to completion in `dir`; with `span`, a random one of
+/// the three processes is SIGKILLed and restarted after every uniform `0..span` ms.
+fn cluster_round(dir: &Path, rng: &mut Rng, span: Option<u64>, killed: &mut [u64; 3]) {
+    const NAMES: [&str; 3] = ["coordinator", "node-1", "node-2"];
+    let args: [&[&str]; 3] = [
+        &["coordinator"],
+        &["node", "--node", "1"],
+        &["node", "--node", "2"],
+    ];
+    let job = word_count_job(dir, WORDS, Some((free_port(), free_port(), free_port())));
+    let mut starts = [0u32; 3];
+    let mut procs: Vec<Child> = (0..3)
+        .map(|i| spawn(args[i], &job, &dir.join(format!("{}-0.log", NAMES[i]))))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let delay = span.map_or(Duration::from_secs(300), |span| {
+            Duration::from_millis(rng.below(span))
+        });
+        if let Some(status) = wait_up_to(&mut procs[0], delay) {
+            let log = log_of(dir, &format!("coordinator-{}.log", starts[0]));
+            for node in &mut procs[1..] {
+                let node_done = wait_up_to(node, Duration::from_secs(60));
+                if node_done.is_none() {
+                    kill(node);
+                }
+                assert!(
+                    node_done.is_some_and(|s| s.success()),
+                    "a node did not finish"
+                );
+            }
+            assert!(status.success(), "coordinator failed:\n{log}");
+            return;
+        }
+        if Instant::now() > deadline {
+            procs.iter_mut().for_each(kill);
+            panic!(
+                "the cluster did not finish in 300 s; coordinator log:\n{}",
+                log_of(dir, &format!("coordinator-{}.log", starts[0]))
+            );
+        }
+        let victim = usize::try_from(rng.below(3)).unwrap();
+        if procs[victim].try_wait().unwrap().is_some() {
+            continue; // a node that already finished its part
+        }
+        kill(&mut procs[victim]);
+        killed[victim] += 1;
+        starts[victim] += 1;
+        let log = dir.join(format!("{}-{}.log", NAMES[victim], starts[victim]));
+        procs[victim] = spawn(args[victim], &job, &log);
+    }
+}
