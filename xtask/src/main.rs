@@ -10,6 +10,7 @@
 //! cargo xtask bench [--quick]    criterion benches; figures to target/bench/report.{md,json}
 //! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
 //! cargo xtask sim [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulator
+//! cargo xtask torture [--runs N] [--procs 1|3] [--seed S]   SIGKILL crash loop of the binary
 //! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -27,7 +28,7 @@ use anyhow::{Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | release [--dry-run] VERSION>";
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] | release [--dry-run] VERSION>";
 
 fn main() -> ExitCode {
     match run(std::env::args().skip(1).collect()) {
@@ -67,6 +68,7 @@ fn run(args: Vec<String>) -> Result<()> {
         "bench" => bench::run(rest),
         "fuzz" => fuzz::run(rest),
         "sim" => sim(rest),
+        "torture" => torture(rest),
         "release" => release::run(rest),
         "" | "help" | "--help" | "-h" => {
             println!("{USAGE}");
@@ -103,6 +105,48 @@ fn sim(args: &[String]) -> Result<()> {
     ];
     command.extend(args.iter().map(String::as_str));
     cargo(&command)
+}
+
+/// The crash loop of `crates/stillpoint-cli/tests/torture.rs` at full size: at least
+/// N SIGKILLs (default 200) of `stillpoint run`, and of a coordinator and two node
+/// processes, at uniformly random times, each round's output checked exactly once.
+/// The dev profile, so it shares the test build.
+fn torture(args: &[String]) -> Result<()> {
+    let mut runs = "200".to_owned();
+    let mut procs = None;
+    let mut seed = "1".to_owned();
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        let mut value = |name: &str| {
+            rest.next()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))
+        };
+        match arg.as_str() {
+            "--runs" => runs = value("--runs")?,
+            "--procs" => procs = Some(value("--procs")?),
+            "--seed" => seed = value("--seed")?,
+            other => bail!("unknown torture option `{other}`\n{USAGE}"),
+        }
+    }
+    for (name, value) in [("--runs", &runs), ("--seed", &seed)] {
+        if value.parse::<u64>().is_err() {
+            bail!("{name} takes a number, not `{value}`");
+        }
+    }
+    if procs.as_deref().is_some_and(|p| p != "1" && p != "3") {
+        bail!("--procs is 1 or 3");
+    }
+    let mut command = std::process::Command::new(util::cargo_bin());
+    command
+        .args(["test", "--locked", "--package", "stillpoint-cli", "--test", "torture"])
+        .args(["--", "--nocapture", "--test-threads", "1"])
+        .env("STILLPOINT_TORTURE_KILLS", &runs)
+        .env("STILLPOINT_TORTURE_SEED", &seed);
+    if let Some(procs) = procs {
+        command.env("STILLPOINT_TORTURE_PROCS", procs);
+    }
+    util::run_command(&mut command)
 }
 
 /// Every test of the workspace, built once (dev profile): unit, integration, example,
