@@ -139,7 +139,14 @@ fn torture(args: &[String]) -> Result<()> {
     }
     let mut command = std::process::Command::new(util::cargo_bin());
     command
-        .args(["test", "--locked", "--package", "stillpoint-cli", "--test", "torture"])
+        .args([
+            "test",
+            "--locked",
+            "--package",
+            "stillpoint-cli",
+            "--test",
+            "torture",
+        ])
         .args(["--", "--nocapture", "--test-threads", "1"])
         .env("STILLPOINT_TORTURE_KILLS", &runs)
         .env("STILLPOINT_TORTURE_SEED", &seed);

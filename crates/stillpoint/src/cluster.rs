@@ -299,8 +299,25 @@ pub fn run_coordinator(
                         .writer
                         .send(Envelope::Engine(EngineMessage::Finish { generation: g }));
                 }
-                wait_for_goodbyes(&mut nodes, &inputs_rx, Duration::from_secs(60));
-                break Ok(());
+                match wait_finished(g, &cluster, &mut nodes, &inputs_rx, &runtime, &lease) {
+                    Ok(true) => {
+                        for link in nodes.values() {
+                            let _closed = link.writer.send(Envelope::Engine(EngineMessage::Exit));
+                        }
+                        wait_for_goodbyes(&mut nodes, &inputs_rx, Duration::from_secs(60));
+                        break Ok(());
+                    }
+                    // A node went away before its final commits: restore the final
+                    // checkpoint once more, so its sinks publish what they hold.
+                    Ok(false) => {
+                        tracing::warn!(
+                            generation = g,
+                            "a node was lost before its final commits; restoring the final checkpoint again"
+                        );
+                        reset(&nodes, g);
+                    }
+                    Err(error) => break Err(error),
+                }
             }
             Err(
                 error @ (EngineError::NodeLost(_)
@@ -425,7 +442,8 @@ fn accept_node(
                     },
                     Envelope::Engine(
                         message @ (EngineMessage::Ready { .. }
-                        | EngineMessage::RestoreFailed { .. }),
+                        | EngineMessage::RestoreFailed { .. }
+                        | EngineMessage::Finished { .. }),
                     ) => CoordinatorInput::Node { node, message },
                     // Anything else belongs to another generation or to nobody.
                     _ => continue,
@@ -632,7 +650,53 @@ fn wait_ready(
     outcome
 }
 
-/// After `Finish`: waits until every node has closed its connection.
+/// After `Finish`: `Ok(true)` once every node said `Finished` for generation `g`,
+/// `Ok(false)` when a node was lost or restarted first (its final commits may not
+/// have happened).
+fn wait_finished(
+    g: u64,
+    cluster: &ClusterConfig,
+    nodes: &mut BTreeMap<NodeId, NodeLink>,
+    inputs: &Receiver<CoordinatorInput>,
+    runtime: &tokio::runtime::Runtime,
+    lease: &Lease,
+) -> Result<bool, EngineError> {
+    let mut finished = BTreeSet::new();
+    let deadline = Instant::now() + cluster.connect_timeout * 2;
+    while finished.len() < cluster.nodes.len() {
+        if Instant::now() > deadline {
+            return Ok(false);
+        }
+        keep_lease(runtime, lease)?;
+        match inputs.recv_timeout(Duration::from_millis(100)) {
+            Ok(CoordinatorInput::Node {
+                node,
+                message: EngineMessage::Finished { generation },
+            }) if generation == g => {
+                finished.insert(node);
+            }
+            Ok(
+                input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
+            ) => {
+                let reconnect = matches!(input, CoordinatorInput::Connected { .. });
+                if apply_connection(nodes, input) || reconnect {
+                    return Ok(false);
+                }
+            }
+            Ok(CoordinatorInput::TaskFailed { task, error }) => {
+                tracing::warn!(%task, error, "a task failed during its final commits");
+                return Ok(false);
+            }
+            Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(EngineError::Stopped("the accept thread".into()));
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// After `Exit`: waits until every node has closed its connection.
 fn wait_for_goodbyes(
     nodes: &mut BTreeMap<NodeId, NodeLink>,
     inputs: &Receiver<CoordinatorInput>,
@@ -805,9 +869,11 @@ impl NodeState<'_> {
                 })
                 .map_err(|e| EngineError::io("spawn", "reader thread", &e))?;
             let finished = self.follow(&events, &writer);
-            let _shut = stream.shutdown(std::net::Shutdown::Both);
+            // Everything queued for the coordinator is written before the connection
+            // closes.
             drop(writer);
             let _joined = writer_thread.join();
+            let _shut = stream.shutdown(std::net::Shutdown::Both);
             let _joined = reader_thread.join();
             match finished {
                 Ok(true) => return Ok(()),
@@ -867,16 +933,28 @@ impl NodeState<'_> {
                         }
                     }
                     EngineMessage::Finish { generation } => {
+                        // Only the incarnation that ran the generation can vouch for
+                        // its commits; a node restarted since says nothing, and the
+                        // coordinator (which saw it reconnect) restores again.
                         if let Some(live) = current.take() {
                             if live.generation == generation {
                                 if let Some(error) = live.end(true) {
                                     return Err(error);
                                 }
-                                tracing::info!(node = %self.node, "job finished");
-                                return Ok(true);
+                                tracing::info!(node = %self.node, "final commits done");
+                                let _closed = writer
+                                    .send(Envelope::Engine(EngineMessage::Finished { generation }));
+                            } else {
+                                live.end(false);
                             }
+                        }
+                    }
+                    EngineMessage::Exit => {
+                        if let Some(live) = current.take() {
                             live.end(false);
                         }
+                        tracing::info!(node = %self.node, "job finished");
+                        return Ok(true);
                     }
                     other => tracing::warn!(?other, "unexpected message from the coordinator"),
                 },

@@ -82,11 +82,22 @@ pub enum EngineMessage {
         /// The generation.
         generation: u64,
     },
-    /// Coordinator → node: the job is done; carry out the last commits and exit.
+    /// Coordinator → node: the job is done; carry out the last commits, then say
+    /// `Finished` and wait for `Exit`.
     Finish {
         /// The generation.
         generation: u64,
     },
+    /// Node → coordinator: every task of the generation has carried out its final
+    /// commits (the sinks published). Until every node has said this, the job is not
+    /// done: a node lost before it may hold pre-committed output, so the coordinator
+    /// restores another generation from the final checkpoint to publish it.
+    Finished {
+        /// The generation.
+        generation: u64,
+    },
+    /// Coordinator → node: every node finished; exit.
+    Exit,
     /// Node → node, first on an edge connection.
     EdgeHello {
         /// The generation.
