@@ -157,8 +157,7 @@ pub async fn plan(
         }
     }
 
-    let mut with_stats = store.stats_ids().await?;
-    with_stats.sort_unstable();
+    let with_stats = store.stats_ids().await?; // oldest first
     let window_from = with_stats.len().saturating_sub(retention.history);
     plan.stats_expired = with_stats
         .into_iter()

@@ -204,17 +204,19 @@ impl Lease {
         let now = clock.now_millis();
         let current = read_current(store, &scope).await?;
         if let Some(current) = &current {
-            let own = config.reclaim_own && current.holder == config.holder;
-            let dead = config.reclaim_dead_local && is_dead_local(&current.holder);
-            if current.live_at(now) && !own && !dead {
-                return Err(held(current));
-            }
-            if current.live_at(now) && dead {
-                tracing::info!(
-                    holder = current.holder,
-                    owner = current.owner,
-                    "taking over the lease of a process of this host that has exited"
-                );
+            if current.live_at(now) {
+                let own = config.reclaim_own && current.holder == config.holder;
+                let dead = config.reclaim_dead_local && is_dead_local(&current.holder);
+                if !own && !dead {
+                    return Err(held(current));
+                }
+                if dead {
+                    tracing::info!(
+                        holder = current.holder,
+                        owner = current.owner,
+                        "taking over the lease of a process of this host that has exited"
+                    );
+                }
             }
         }
         let highest_claim = claims(store, &scope).await?.last().copied().unwrap_or(0);

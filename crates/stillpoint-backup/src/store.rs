@@ -1359,17 +1359,18 @@ impl opendal::layers::LoggingInterceptor for StoreLog {
             .find(|(key, _)| *key == "path")
             .map_or("", |(_, value)| *value);
         let scheme = info.scheme();
-        match err.map(opendal::Error::kind) {
-            None => tracing::trace!(scheme, path, %operation, "{message}"),
-            Some(ErrorKind::NotFound | ErrorKind::ConditionNotMatch | ErrorKind::AlreadyExists) => {
-                tracing::debug!(scheme, path, %operation, error = %err.map(ToString::to_string).unwrap_or_default(), "{message}");
+        let Some(error) = err else {
+            tracing::trace!(scheme, path, %operation, "{message}");
+            return;
+        };
+        match error.kind() {
+            ErrorKind::NotFound | ErrorKind::ConditionNotMatch | ErrorKind::AlreadyExists => {
+                tracing::debug!(scheme, path, %operation, %error, "{message}");
             }
-            Some(ErrorKind::Unexpected) => {
-                tracing::error!(scheme, path, %operation, error = ?err, "{message}");
+            ErrorKind::Unexpected => {
+                tracing::error!(scheme, path, %operation, ?error, "{message}");
             }
-            Some(_) => {
-                tracing::warn!(scheme, path, %operation, error = %err.map(ToString::to_string).unwrap_or_default(), "{message}");
-            }
+            _ => tracing::warn!(scheme, path, %operation, %error, "{message}"),
         }
     }
 }

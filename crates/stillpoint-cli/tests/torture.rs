@@ -67,11 +67,10 @@ fn log_of(dir: &Path, name: &str) -> String {
 }
 
 /// Checks one finished round's output; the figures for the summary line.
-fn check_round(dir: &Path) -> usize {
+fn check_round(dir: &Path, expected: &[(String, String)]) -> usize {
     let mut output = stillpoint::read_committed(&dir.join("out")).unwrap();
     output.sort();
-    let expected = expected(WORDS, 300);
-    let (lost, duplicated) = lost_and_duplicated(&output, &expected);
+    let (lost, duplicated) = lost_and_duplicated(&output, expected);
     assert_eq!(
         (lost, duplicated),
         (0, 0),
@@ -91,6 +90,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
     let mut rng = Rng(env_or("STILLPOINT_TORTURE_SEED", 1));
     let (mut kills, mut rounds, mut records, mut quiet_runs) = (0, 0, 0, 0);
     let started = Instant::now();
+    let want = expected(WORDS, 300);
     let calibration = RoundDir::new();
     let job = word_count_job(calibration.path(), WORDS, None);
     let mut run = spawn(&["run"], &job, &calibration.path().join("run.log"));
@@ -100,7 +100,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
         log_of(calibration.path(), "run.log")
     );
     let span = millis(started.elapsed());
-    check_round(calibration.path());
+    check_round(calibration.path(), &want);
     while kills < target {
         rounds += 1;
         let dir = RoundDir::new();
@@ -140,7 +140,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
                 }
             }
         }
-        records += check_round(dir.path());
+        records += check_round(dir.path(), &want);
     }
     eprintln!(
         "torture (1 process): {kills} SIGKILLs uniform over a {span} ms failure-free run, {rounds} rounds ({quiet_runs} runs left unkilled after {QUIET_EVERY} kills in a row), {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
@@ -158,17 +158,18 @@ fn three_processes_sigkilled_at_random_lose_and_duplicate_nothing() {
     let (mut rounds, mut records) = (0, 0);
     let mut killed = [0u64; 3];
     let started = Instant::now();
+    let want = expected(WORDS, 300);
     let span = {
         let dir = RoundDir::new();
         cluster_round(dir.path(), &mut rng, None, &mut killed);
-        check_round(dir.path());
+        check_round(dir.path(), &want);
         millis(started.elapsed())
     };
     while killed.iter().sum::<u64>() < target {
         rounds += 1;
         let dir = RoundDir::new();
         cluster_round(dir.path(), &mut rng, Some(span), &mut killed);
-        records += check_round(dir.path());
+        records += check_round(dir.path(), &want);
     }
     let kills: u64 = killed.iter().sum();
     eprintln!(

@@ -483,6 +483,13 @@ fn apply_connection(nodes: &mut BTreeMap<NodeId, NodeLink>, input: CoordinatorIn
     }
 }
 
+/// Applies a connection change; `true` when it ends what the coordinator waits for:
+/// a node was lost, or connected anew (restarted, so its earlier self is gone).
+fn lost_or_restarted(nodes: &mut BTreeMap<NodeId, NodeLink>, input: CoordinatorInput) -> bool {
+    let reconnect = matches!(input, CoordinatorInput::Connected { .. });
+    apply_connection(nodes, input) || reconnect
+}
+
 /// Keeps the lease fresh while the coordinator waits.
 fn keep_lease(runtime: &tokio::runtime::Runtime, lease: &Lease) -> Result<(), EngineError> {
     if lease.needs_refresh() {
@@ -627,8 +634,7 @@ fn wait_ready(
             Ok(
                 input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
             ) => {
-                let reconnect = matches!(input, CoordinatorInput::Connected { .. });
-                if apply_connection(nodes, input) || reconnect {
+                if lost_or_restarted(nodes, input) {
                     break Ready::Retry("a node was lost or restarted".into());
                 }
             }
@@ -678,8 +684,7 @@ fn wait_finished(
             Ok(
                 input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
             ) => {
-                let reconnect = matches!(input, CoordinatorInput::Connected { .. });
-                if apply_connection(nodes, input) || reconnect {
+                if lost_or_restarted(nodes, input) {
                     return Ok(false);
                 }
             }

@@ -2,6 +2,9 @@
 //! loop that runs a job to the end through injected crashes.
 #![allow(dead_code)]
 
+mod rng;
+pub(crate) use rng::Rng;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -85,24 +88,6 @@ pub(crate) fn config(dir: &std::path::Path) -> JobConfig {
     config.checkpoint_interval = Duration::from_millis(30);
     config.lease_ttl = Duration::from_secs(5);
     config
-}
-
-/// A small deterministic generator (SplitMix64) for crash times.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..bound`.
-    pub(crate) fn below(&mut self, bound: u64) -> u64 {
-        self.next() % bound.max(1)
-    }
 }
 
 /// What a crash loop saw.

@@ -3,6 +3,10 @@
 //! generated word count, and a seeded generator for kill times.
 #![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation)]
 
+#[path = "../../../../tests/tests/support/rng.rs"]
+mod rng;
+pub(crate) use rng::Rng;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -106,21 +110,4 @@ pub(crate) fn lost_and_duplicated(
         .map(|c| (-*c) as usize)
         .sum();
     (lost, duplicated)
-}
-
-/// SplitMix64, for reproducible kill times.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
