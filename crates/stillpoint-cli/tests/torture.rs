@@ -23,7 +23,8 @@ use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use support::{Rng, expected, free_port, lost_and_duplicated, spawn, word_count_job};
+use support::rng::Rng;
+use support::{expected, free_port, lost_and_duplicated, spawn, word_count_job};
 
 const WORDS: u64 = 40_000;
 /// After this many kills in a row within a round, one run is left alone.

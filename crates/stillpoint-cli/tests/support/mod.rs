@@ -4,8 +4,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation)]
 
 #[path = "../../../../tests/tests/support/rng.rs"]
-mod rng;
-pub(crate) use rng::Rng;
+pub(crate) mod rng;
 
 use std::collections::BTreeMap;
 use std::path::Path;
