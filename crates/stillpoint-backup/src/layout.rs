@@ -42,7 +42,9 @@ pub(crate) fn checkpoint_dir(id: CheckpointId) -> String {
     format!("{CHECKPOINTS}{:020}/", id.get())
 }
 
-pub(crate) fn commit_object(id: CheckpointId) -> String {
+/// The global manifest of checkpoint `id`, whose presence is its commit.
+#[must_use]
+pub fn commit_object(id: CheckpointId) -> String {
     format!("{}{COMMIT_FILE}", checkpoint_dir(id))
 }
 

@@ -1331,9 +1331,22 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .with_jitter()
                 .with_max_times(retry.max_retries)
                 .with_min_delay(retry.min_delay)
-                .with_max_delay(retry.max_delay),
+                .with_max_delay(retry.max_delay)
+                .with_notify(log_retry),
         )
         .layer(LoggingLayer::new(StoreLog)))
+}
+
+/// One line per retried temporary failure (OpenDAL's default prints the error's
+/// multi-line debug form, with a backtrace when one was captured).
+fn log_retry(event: opendal::layers::RetryEvent<'_>) {
+    tracing::warn!(
+        operation = %event.op,
+        attempt = event.attempt,
+        "retrying in {} ms after a temporary failure: {}",
+        event.retry_after.as_millis(),
+        event.err
+    );
 }
 
 /// OpenDAL's operation log through `tracing`, at levels a person running a job can
@@ -1368,7 +1381,7 @@ impl opendal::layers::LoggingInterceptor for StoreLog {
                 tracing::debug!(scheme, path, %operation, %error, "{message}");
             }
             ErrorKind::Unexpected => {
-                tracing::error!(scheme, path, %operation, ?error, "{message}");
+                tracing::error!(scheme, path, %operation, %error, "{message}");
             }
             _ => tracing::warn!(scheme, path, %operation, %error, "{message}"),
         }

@@ -223,29 +223,43 @@ async fn show(target: &Target, id: CheckpointId) -> Result<ExitCode> {
 }
 
 async fn verify(target: &Target, id: Option<CheckpointId>) -> Result<ExitCode> {
-    let mut ids = Vec::new();
     let mut bad = 0usize;
-    match id {
-        Some(id) => ids.push(id),
+    let entries = match id {
+        Some(id) => vec![(id, None)],
         None => {
-            for entry in target.store.checkpoints().await? {
-                match entry.status {
-                    ListingStatus::Committed(_) => ids.push(entry.id),
-                    ListingStatus::Corrupt(error) => {
-                        bad += 1;
-                        println!("checkpoint {}: BAD", entry.id.get());
-                        println!("  {error}");
-                    }
-                    ListingStatus::Incomplete { .. } => {}
-                }
+            let entries: Vec<_> = target
+                .store
+                .checkpoints()
+                .await?
+                .into_iter()
+                .map(|entry| (entry.id, Some(entry.status)))
+                .collect();
+            if entries.is_empty() {
+                println!("no checkpoints in {}", target.uri);
             }
-            if ids.is_empty() && bad == 0 {
-                println!("no committed checkpoints in {}", target.uri);
+            entries
+        }
+    };
+    let reporter = Reporter::new();
+    for (id, status) in entries {
+        match status {
+            None | Some(ListingStatus::Committed(_)) => {}
+            Some(ListingStatus::Corrupt(error)) => {
+                bad += 1;
+                println!("checkpoint {}: BAD", id.get());
+                println!("  {error}");
+                continue;
+            }
+            Some(ListingStatus::Incomplete { task_manifests }) => {
+                // Not an error (an upload may be in flight), but never restorable.
+                println!(
+                    "checkpoint {}: incomplete, never restored ({task_manifests} task manifest(s), no {})",
+                    id.get(),
+                    stillpoint_backup::layout::commit_object(id)
+                );
+                continue;
             }
         }
-    }
-    let reporter = Reporter::new();
-    for id in ids {
         let report = match target
             .store
             .verify(id, VerifyDepth::Content, &reporter)

@@ -104,9 +104,7 @@ fn main() -> ExitCode {
             if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
                 eprintln!("stillpoint: error: {error:?}");
             } else {
-                // One line a person can act on: the whole chain of causes, no trace.
-                let message = format!("{error:#}").replace('\n', " ");
-                eprintln!("stillpoint: error: {message}");
+                eprintln!("stillpoint: error: {}", one_line(&error));
             }
             ExitCode::FAILURE
         }
@@ -131,6 +129,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             let loaded = Job::load(&job)?;
             stillpoint::run_node(&loaded.config, &loaded.pipeline, NodeId(node))
                 .with_context(|| format!("node {node}"))?;
+            print_faults(&loaded);
             Ok(ExitCode::SUCCESS)
         }
         Command::Checkpoints(args) => checkpoints::run(args),
@@ -223,6 +222,34 @@ fn announce(job: &Job) -> Result<RunOptions> {
     })
 }
 
+/// One line a person can act on: the chain of causes, each said once (library errors
+/// often show their source in their own message too), no trace.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string().replace('\n', " ");
+        if !message.contains(&text) {
+            if !message.is_empty() {
+                message.push_str(": ");
+            }
+            message.push_str(&text);
+        }
+    }
+    message
+}
+
+/// With `[store] fault_ratio` set, how many store operations this process failed on
+/// purpose (so a chaos run shows the faults really happened).
+fn print_faults(job: &Job) {
+    if let Some(faults) = &job.config.store_options.faults {
+        println!(
+            "chaos: {} store operation(s) failed on purpose (fault_ratio {})",
+            faults.injected(),
+            faults.error_ratio
+        );
+    }
+}
+
 fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
     let job = load(job, data)?;
     if job.config.cluster.is_some() {
@@ -242,6 +269,7 @@ fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
         report.checkpoints.len(),
         job.pipeline.output.join("committed").display()
     );
+    print_faults(&job);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -250,5 +278,6 @@ fn coordinator(path: &Path) -> Result<ExitCode> {
     let options = announce(&job)?;
     let report = stillpoint::run_coordinator(&job.config, &job.pipeline, options)?;
     println!("done: {} checkpoint(s) this run", report.checkpoints.len());
+    print_faults(&job);
     Ok(ExitCode::SUCCESS)
 }

@@ -542,7 +542,8 @@ fn choose_restore(
     bad: &BTreeSet<CheckpointId>,
     report: &mut JobReport,
 ) -> Result<Option<CheckpointId>, EngineError> {
-    for id in runtime.block_on(store.committed_ids())?.into_iter().rev() {
+    let committed = runtime.block_on(store.committed_ids())?;
+    for id in committed.iter().copied().rev() {
         if bad.contains(&id) {
             continue;
         }
@@ -571,6 +572,7 @@ fn choose_restore(
             }
         }
     }
+    EngineError::unless_nothing_committed(committed.len(), &report.fell_back_from)?;
     Ok(None)
 }
 

@@ -19,6 +19,8 @@
 //! part_size_mib = 8
 //! timeout = "60s"
 //! io_timeout = "120s"
+//! fault_ratio = 0.0                 # chaos testing: fail this fraction of store operations
+//! fault_seed = 1                    #   with temporary errors, below the retries (default off)
 //!
 //! [retention]
 //! keep_last = 3                     # periodic checkpoints kept; savepoints always are
@@ -56,7 +58,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use stillpoint_backup::{EncryptionKey, Retention, S3Credentials, StoreOptions};
+use stillpoint_backup::{EncryptionKey, FaultConfig, Retention, S3Credentials, StoreOptions};
 use stillpoint_state::{Compression, StateConfig};
 use stillpoint_wire::StreamId;
 
@@ -208,6 +210,8 @@ struct StoreSection {
     timeout: Duration,
     #[serde(with = "humantime_serde")]
     io_timeout: Duration,
+    fault_ratio: f64,
+    fault_seed: u64,
 }
 
 impl Default for StoreSection {
@@ -222,6 +226,8 @@ impl Default for StoreSection {
             part_size_mib: defaults.part_size >> 20,
             timeout: defaults.timeout,
             io_timeout: defaults.io_timeout,
+            fault_ratio: 0.0,
+            fault_seed: 1,
         }
     }
 }
@@ -384,6 +390,9 @@ impl JobFile {
                 "must be at least 5 (S3 parts are at least 5 MiB)",
             ));
         }
+        if !(0.0..1.0).contains(&store.fault_ratio) {
+            return Err(invalid("store.fault_ratio", "must be in 0.0..1.0"));
+        }
         if retention.keep_last == 0 {
             return Err(invalid("retention.keep_last", "must be at least 1"));
         }
@@ -476,6 +485,8 @@ impl JobFile {
             part_size: store.part_size_mib << 20,
             timeout: store.timeout,
             io_timeout: store.io_timeout,
+            faults: (store.fault_ratio > 0.0)
+                .then(|| FaultConfig::new(store.fault_ratio, store.fault_seed)),
             ..StoreOptions::default()
         };
         config.checkpoint_interval = job.checkpoint_interval;
@@ -529,6 +540,7 @@ mod tests {
         assert_eq!(job.config.state, StateConfig::default());
         assert_eq!(job.config.retention.keep_last, 3);
         assert_eq!(job.config.metrics_listen, None);
+        assert!(job.config.store_options.faults.is_none());
         assert_eq!(job.pipeline.sources, 2);
         assert_eq!(job.pipeline.aggregators, 3);
         assert_eq!(
@@ -558,6 +570,8 @@ uri = "s3://bucket/jobs?endpoint=http://127.0.0.1:8333"
 access_key_id = "id"
 secret_access_key = "secret"
 part_size_mib = 16
+fault_ratio = 0.1
+fault_seed = 9
 [retention]
 keep_last = 5
 [state]
@@ -580,6 +594,8 @@ input = { kind = "files", paths = ["in.txt"] }
         assert_eq!(job.config.max_parallelism, 64);
         assert_eq!(job.config.store_options.part_size, 16 << 20);
         assert!(job.config.store_options.s3_credentials.is_some());
+        let faults = job.config.store_options.faults.as_ref().unwrap();
+        assert_eq!((faults.error_ratio, faults.seed), (0.1, 9));
         assert_eq!(job.config.retention.keep_last, 5);
         assert_eq!(job.config.state.compression, Compression::None);
         assert_eq!(job.config.state.cache_budget_bytes, 32 << 20);
@@ -610,6 +626,8 @@ input = { kind = "files", paths = ["in.txt"] }
                 "store.encryption_key",
             ),
             ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
+            ("[store]\nfault_ratio = 1.5\n", "store.fault_ratio"),
+            ("[store]\nfault_ratio = nan\n", "store.fault_ratio"),
             (
                 "[pipeline]\nsources = 2\ninput = { kind = \"files\", paths = [\"a\"] }\n",
                 "one file per source",

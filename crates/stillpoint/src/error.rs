@@ -48,12 +48,42 @@ pub enum EngineError {
     /// A network connection failed (cluster mode).
     #[error("network: {0}")]
     Net(String),
+    /// The store has committed checkpoints but none of them can be restored. Starting
+    /// from scratch instead would publish the sinks' output a second time, so the job
+    /// refuses to start.
+    #[error(
+        "none of the {committed} committed checkpoint(s) in the store can be restored (newest: {newest}); refusing to start from scratch, which would publish the output again: repair the store (see `stillpoint checkpoints verify`) or point the job at an empty one"
+    )]
+    NothingRestorable {
+        /// How many committed checkpoints there are.
+        committed: usize,
+        /// Why the newest one cannot be restored.
+        newest: String,
+    },
     /// Too many consecutive checkpoints failed.
     #[error("the job failed: {0}")]
     Failed(String),
 }
 
 impl EngineError {
+    /// Refuses a fresh start over `committed` checkpoints that all failed to restore
+    /// (the reasons in `fell_back`, newest first); `Ok` when there were none.
+    pub(crate) fn unless_nothing_committed(
+        committed: usize,
+        fell_back: &[crate::FallBack],
+    ) -> Result<(), Self> {
+        if committed == 0 {
+            return Ok(());
+        }
+        Err(Self::NothingRestorable {
+            committed,
+            newest: fell_back.first().map_or_else(
+                || "skipped".to_owned(),
+                |f| format!("checkpoint {}: {}", f.checkpoint.get(), f.problem),
+            ),
+        })
+    }
+
     pub(crate) fn io(
         operation: &'static str,
         path: impl Into<PathBuf>,

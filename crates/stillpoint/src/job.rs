@@ -551,7 +551,8 @@ pub(crate) fn coordinator_machine(
 /// files are all present and whose snapshots `wanted` download and verify. A newer
 /// checkpoint that fails is recorded in `report.fell_back_from` and logged; an
 /// unreachable store or an impossible restore is an error, never a reason to fall
-/// back.
+/// back; committed checkpoints none of which restores are an error too (a fresh
+/// start would publish the output again).
 pub(crate) async fn restore_point(
     store: &Store,
     work_dir: &std::path::Path,
@@ -559,7 +560,8 @@ pub(crate) async fn restore_point(
     skip: &BTreeSet<CheckpointId>,
     wanted: impl Fn(&CheckpointManifest) -> Result<Vec<TaskId>, EngineError>,
 ) -> Result<Option<Restore>, EngineError> {
-    for id in store.committed_ids().await?.into_iter().rev() {
+    let committed = store.committed_ids().await?;
+    for id in committed.iter().copied().rev() {
         if skip.contains(&id) {
             continue;
         }
@@ -578,6 +580,7 @@ pub(crate) async fn restore_point(
             }
         }
     }
+    EngineError::unless_nothing_committed(committed.len(), &report.fell_back_from)?;
     Ok(None)
 }
 

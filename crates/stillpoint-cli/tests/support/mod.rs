@@ -64,25 +64,32 @@ pub(crate) fn word_count_job(
         )
     });
     let job = dir.join("job.toml");
+    write_word_count_job(&job, &dir.join("data"), &dir.join("out"), words, &cluster);
+    job
+}
+
+/// Writes the word-count job of [`word_count_job`] to `path`, working under `work`,
+/// output in `out`, then `extra` (more sections).
+pub(crate) fn write_word_count_job(path: &Path, work: &Path, out: &Path, words: u64, extra: &str) {
     std::fs::write(
-        &job,
+        path,
         format!(
             r#"[job]
 work_dir = "{}"
 checkpoint_interval = "50ms"
 lease_ttl = "5s"
-{cluster}[pipeline]
+{extra}
+[pipeline]
 sources = 2
 aggregators = 3
 output = "{}"
 input = {{ kind = "generated", words_per_source = {words}, vocabulary = 300, seed = 42 }}
 "#,
-            dir.join("data").display(),
-            dir.join("out").display()
+            work.display(),
+            out.display()
         ),
     )
     .unwrap();
-    job
 }
 
 /// Records missing from `output` and records in it more often than in `expected`
