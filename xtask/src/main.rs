@@ -10,7 +10,7 @@
 //! cargo xtask bench [--quick]    criterion benches; figures to target/bench/report.{md,json}
 //! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
 //! cargo xtask sim [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulator
-//! cargo xtask torture [--runs N] [--procs 1|3] [--seed S]   SIGKILL crash loop of the binary
+//! cargo xtask torture [--runs N] [--procs 1|3] [--seed S] [--faults R]   SIGKILL crash loop of the binary
 //! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
@@ -28,7 +28,7 @@ use anyhow::{Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] | release [--dry-run] VERSION>";
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] [--faults R] | release [--dry-run] VERSION>";
 
 fn main() -> ExitCode {
     match run(std::env::args().skip(1).collect()) {
@@ -115,6 +115,7 @@ fn torture(args: &[String]) -> Result<()> {
     let mut runs = "200".to_owned();
     let mut procs = None;
     let mut seed = "1".to_owned();
+    let mut faults = None;
     let mut rest = args.iter();
     while let Some(arg) = rest.next() {
         let mut value = |name: &str| {
@@ -126,6 +127,7 @@ fn torture(args: &[String]) -> Result<()> {
             "--runs" => runs = value("--runs")?,
             "--procs" => procs = Some(value("--procs")?),
             "--seed" => seed = value("--seed")?,
+            "--faults" => faults = Some(value("--faults")?),
             other => bail!("unknown torture option `{other}`\n{USAGE}"),
         }
     }
@@ -152,6 +154,12 @@ fn torture(args: &[String]) -> Result<()> {
         .env("STILLPOINT_TORTURE_SEED", &seed);
     if let Some(procs) = procs {
         command.env("STILLPOINT_TORTURE_PROCS", procs);
+    }
+    if let Some(faults) = faults {
+        if !faults.parse::<f64>().is_ok_and(|r| (0.0..1.0).contains(&r)) {
+            bail!("--faults takes a ratio in 0.0..1.0, not `{faults}`");
+        }
+        command.env("STILLPOINT_TORTURE_FAULTS", faults);
     }
     util::run_command(&mut command)
 }

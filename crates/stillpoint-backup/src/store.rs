@@ -1301,14 +1301,14 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .bucket(bucket)
                 .root(&format!("/{prefix}"))
                 .region(&region)
-                .access_key_id(&credentials.access_key_id)
-                .secret_access_key(&credentials.secret_access_key)
-                // Explicit and hermetic: no ~/.aws files, no instance metadata probes.
+                // Explicit and hermetic: only these credentials, no ~/.aws files, no
+                // instance metadata probes.
+                .credential_provider_chain(
+                    reqsign_core::ProvideCredentialChain::new()
+                        .push(RedactedCredentials::new(&credentials)),
+                )
                 .disable_config_load()
                 .disable_ec2_metadata();
-            if let Some(token) = &credentials.session_token {
-                builder = builder.session_token(token);
-            }
             if let Some(endpoint) = endpoint.clone().or_else(|| env("AWS_ENDPOINT_URL")) {
                 builder = builder.endpoint(&endpoint);
             }
@@ -1335,6 +1335,50 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
                 .with_notify(log_retry),
         )
         .layer(LoggingLayer::new(StoreLog)))
+}
+
+/// Static S3 credentials for the request signer, with a `Debug` that hides the
+/// secret: reqsign logs every credential provider it tries at `debug`, and its own
+/// static provider prints the secret key there.
+struct RedactedCredentials {
+    access_key_id: String,
+    inner: reqsign_aws_v4::StaticCredentialProvider,
+}
+
+impl RedactedCredentials {
+    fn new(credentials: &crate::uri::S3Credentials) -> Self {
+        let inner = reqsign_aws_v4::StaticCredentialProvider::new(
+            &credentials.access_key_id,
+            &credentials.secret_access_key,
+        );
+        Self {
+            access_key_id: credentials.access_key_id.clone(),
+            inner: match &credentials.session_token {
+                Some(token) => inner.with_session_token(token),
+                None => inner,
+            },
+        }
+    }
+}
+
+impl std::fmt::Debug for RedactedCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StaticCredentials")
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"<redacted>")
+            .finish()
+    }
+}
+
+impl reqsign_core::ProvideCredential for RedactedCredentials {
+    type Credential = reqsign_aws_v4::Credential;
+
+    async fn provide_credential(
+        &self,
+        ctx: &reqsign_core::Context,
+    ) -> reqsign_core::Result<Option<Self::Credential>> {
+        self.inner.provide_credential(ctx).await
+    }
 }
 
 /// One line per retried temporary failure (OpenDAL's default prints the error's

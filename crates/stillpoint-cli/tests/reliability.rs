@@ -10,6 +10,9 @@
     clippy::print_stderr
 )]
 
+#[allow(unreachable_pub, dead_code)]
+#[path = "../../stillpoint-backup/tests/support/s3.rs"]
+mod s3;
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -703,4 +706,61 @@ fn a_manifest_path_escaping_the_restore_directory_writes_nothing() {
     let (ok, report) = verify(&store);
     assert!(!ok);
     assert!(report.contains("../../../escaped.log"), "{report}");
+}
+
+/// Credentials never reach the logs: a job on a real S3-compatible server (SeaweedFS,
+/// signatures checked) run at `--log trace`, its credentials in the job file, then
+/// `checkpoints list` with them in the environment; neither output holds the secret
+/// key or the encryption key.
+#[test]
+fn credentials_never_appear_in_the_logs_of_an_s3_run() {
+    use s3::{ACCESS_KEY, BUCKET, ENDPOINT, S3Server, SECRET_KEY};
+    let _server = S3Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let uri = format!("s3://{BUCKET}/creds-job?endpoint={ENDPOINT}&region=us-east-1");
+    let job = job(
+        dir.path(),
+        "s3.toml",
+        "data",
+        "out",
+        5_000,
+        &format!(
+            "[store]\nuri = \"{uri}\"\naccess_key_id = \"{ACCESS_KEY}\"\nsecret_access_key = \"{SECRET_KEY}\"\nencryption_key = \"{KEY}\"\n"
+        ),
+    );
+    // The server may take a moment to accept requests after its port opens.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let (stdout, log) = loop {
+        let (ok, stdout, log) = run(&["run", "--log", "trace"], Some(&job));
+        if ok {
+            break (stdout, log);
+        }
+        assert!(std::time::Instant::now() < deadline, "{stdout}\n{log}");
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    };
+    assert!(!checkpoint_lines(&stdout).is_empty(), "{stdout}");
+    assert!(
+        log.contains("s3") && log.lines().count() > 100,
+        "the trace log shows the store's requests"
+    );
+    let output = stillpoint()
+        .args(["checkpoints", "list", "--store", &uri, "--log", "trace"])
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env("STILLPOINT_ENCRYPTION_KEY", KEY)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let listed = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(listed.contains("complete"), "{listed}");
+    for text in [&stdout, &log, &listed] {
+        for (secret, what) in [(SECRET_KEY, "the secret key"), (KEY, "the encryption key")] {
+            if let Some(at) = text.find(secret) {
+                let line = text[..at].rfind('\n').map_or(0, |n| n + 1);
+                let end = text[at..].find('\n').map_or(text.len(), |n| at + n);
+                panic!("{what} was logged: {}", &text[line..end]);
+            }
+        }
+    }
 }

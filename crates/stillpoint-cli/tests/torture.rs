@@ -8,7 +8,9 @@
 //! failure-free round took on this machine just before (measured, so kills land in
 //! every phase whatever the build and load); a restarted run resumes and finishes
 //! once it gets a long enough quiet spell. CI runs a few kills per mode; `cargo xtask torture --runs N [--procs 1|3]` runs
-//! N (`STILLPOINT_TORTURE_KILLS`, `STILLPOINT_TORTURE_SEED`, `STILLPOINT_TORTURE_PROCS`).
+//! N (`STILLPOINT_TORTURE_KILLS`, `STILLPOINT_TORTURE_SEED`, `STILLPOINT_TORTURE_PROCS`;
+//! `--faults RATIO` / `STILLPOINT_TORTURE_FAULTS` also fails that share of the store's
+//! operations).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -29,6 +31,22 @@ use support::{expected, free_port, lost_and_duplicated, spawn, word_count_job};
 const WORDS: u64 = 40_000;
 /// After this many kills in a row within a round, one run is left alone.
 const QUIET_EVERY: u32 = 25;
+
+/// The round's job file; with `STILLPOINT_TORTURE_FAULTS=RATIO` its store also fails
+/// that share of its operations (`[store] fault_ratio`), kills and faults together.
+fn torture_job(dir: &Path, cluster: Option<(u16, u16, u16)>) -> std::path::PathBuf {
+    let job = word_count_job(dir, WORDS, cluster);
+    if let Ok(ratio) = std::env::var("STILLPOINT_TORTURE_FAULTS") {
+        let ratio: f64 = ratio.parse().expect("STILLPOINT_TORTURE_FAULTS is a ratio");
+        let mut text = std::fs::read_to_string(&job).unwrap();
+        text.push_str(&format!(
+            "[store]\nfault_ratio = {ratio}\nfault_seed = {}\n",
+            env_or("STILLPOINT_TORTURE_SEED", 1)
+        ));
+        std::fs::write(&job, text).unwrap();
+    }
+    job
+}
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -93,7 +111,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
     let started = Instant::now();
     let want = expected(WORDS, 300);
     let calibration = RoundDir::new();
-    let job = word_count_job(calibration.path(), WORDS, None);
+    let job = torture_job(calibration.path(), None);
     let mut run = spawn(&["run"], &job, &calibration.path().join("run.log"));
     assert!(
         run.wait().unwrap().success(),
@@ -105,7 +123,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
     while kills < target {
         rounds += 1;
         let dir = RoundDir::new();
-        let job = word_count_job(dir.path(), WORDS, None);
+        let job = torture_job(dir.path(), None);
         let mut restarts = 0;
         loop {
             let log = format!("run-{restarts}.log");
@@ -223,7 +241,7 @@ fn cluster_round(dir: &Path, rng: &mut Rng, span: Option<u64>, killed: &mut [u64
         &["node", "--node", "1"],
         &["node", "--node", "2"],
     ];
-    let job = word_count_job(dir, WORDS, Some((free_port(), free_port(), free_port())));
+    let job = torture_job(dir, Some((free_port(), free_port(), free_port())));
     let mut starts = [0u32; 3];
     let mut procs: Vec<Child> = (0..3)
         .map(|i| spawn(args[i], &job, &dir.join(format!("{}-0.log", NAMES[i]))))

@@ -657,6 +657,52 @@ input = { kind = "files", paths = ["in.txt"] }
         }
     }
 
+    /// The bounded form of the `job_config` fuzz target (`cargo xtask fuzz`): the
+    /// documented example cut at every character, with every line dropped in turn and
+    /// with every byte replaced by a quote, parses or is refused on one line naming
+    /// the file; never a panic.
+    #[test]
+    fn every_cut_and_mangled_example_parses_or_is_one_line() {
+        let documented: String = include_str!("config.rs")
+            .lines()
+            .filter_map(|l| l.strip_prefix("//! ").or(l.strip_prefix("//!")))
+            .skip_while(|l| !l.starts_with("```toml"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("```"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(Job::from_toml(&documented, "doc.toml").is_ok());
+        let lines: Vec<&str> = documented.lines().collect();
+        let mut variants: Vec<String> = documented
+            .char_indices()
+            .map(|(at, _)| documented[..at].to_owned())
+            .collect();
+        variants.extend((0..lines.len()).map(|skip| {
+            lines
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != skip)
+                .map(|(_, l)| format!("{l}\n"))
+                .collect()
+        }));
+        variants.extend(documented.char_indices().map(|(at, c)| {
+            format!(
+                "{}\"{}",
+                &documented[..at],
+                &documented[at + c.len_utf8()..]
+            )
+        }));
+        for text in &variants {
+            if let Err(error) = Job::from_toml(text, "cut.toml") {
+                let message = error.to_string();
+                assert!(
+                    message.starts_with("cut.toml") && !message.contains('\n'),
+                    "{message}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn a_missing_file_is_a_read_error_naming_it() {
         let error = Job::load(Path::new("/nonexistent/job.toml")).unwrap_err();
