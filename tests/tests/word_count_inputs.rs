@@ -36,7 +36,7 @@ fn a_file_word_count_survives_crashes_exactly_once() {
     let paths: Vec<_> = (0..2)
         .map(|i| {
             let path = dir.path().join(format!("in-{i}.txt"));
-            std::fs::write(&path, text(i, 120_000)).unwrap();
+            std::fs::write(&path, text(i, 250_000)).unwrap();
             path
         })
         .collect();
@@ -46,7 +46,7 @@ fn a_file_word_count_survives_crashes_exactly_once() {
         input: WordInput::Files { paths },
         output: dir.path().join("out"),
     };
-    let seen = crash_loop(&config(dir.path()), &job, 8, Duration::from_millis(300), 3);
+    let seen = crash_loop(&config(dir.path()), &job, 8, Duration::from_millis(1200), 3);
     assert!(seen.crashes >= 4, "{seen:?}");
     assert!(seen.restored > 0, "{seen:?}");
     assert_eq!(committed_output(&job), expected_output(&job));

@@ -247,10 +247,15 @@ fn cluster_round(dir: &Path, rng: &mut Rng, span: Option<u64>, killed: &mut [u64
         .map(|i| spawn(args[i], &job, &dir.join(format!("{}-0.log", NAMES[i]))))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(300);
+    let mut kills_in_round = 0u32;
     loop {
-        let delay = span.map_or(Duration::from_secs(300), |span| {
-            Duration::from_millis(rng.below(span))
-        });
+        // After QUIET_EVERY kills in a row, the cluster is left alone to finish (with
+        // store faults on, a restart may not get far enough between kills).
+        let quiet = kills_in_round > 0 && kills_in_round % QUIET_EVERY == 0;
+        let delay = match span {
+            Some(span) if !quiet => Duration::from_millis(rng.below(span)),
+            _ => deadline.saturating_duration_since(Instant::now()),
+        };
         if let Some(status) = wait_up_to(&mut procs[0], delay) {
             let log = log_of(dir, &format!("coordinator-{}.log", starts[0]));
             for node in &mut procs[1..] {
@@ -279,6 +284,7 @@ fn cluster_round(dir: &Path, rng: &mut Rng, span: Option<u64>, killed: &mut [u64
         }
         kill(&mut procs[victim]);
         killed[victim] += 1;
+        kills_in_round += 1;
         starts[victim] += 1;
         let log = dir.join(format!("{}-{}.log", NAMES[victim], starts[victim]));
         procs[victim] = spawn(args[victim], &job, &log);

@@ -353,6 +353,16 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Ask for a periodic checkpoint now instead of at the next interval (as Flink's
+    /// trigger-checkpoint call or RisingWave's `FLUSH`): triggered as soon as fewer
+    /// than `max_concurrent` are in flight and the minimum pause has passed; the
+    /// interval then restarts from it. An engine uses it when a bounded input has
+    /// ended, so the final checkpoint does not wait out the interval.
+    pub fn request_checkpoint(&mut self, now: Time) {
+        self.next_trigger = self.next_trigger.min(now);
+        self.handle_timeout(now);
+    }
+
     /// Timers: triggers, timeouts, re-sends.
     pub fn handle_timeout(&mut self, now: Time) {
         let timed_out: Vec<CheckpointId> = self

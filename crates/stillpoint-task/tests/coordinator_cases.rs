@@ -136,6 +136,36 @@ fn triggers_on_the_interval() {
 }
 
 #[test]
+fn a_requested_checkpoint_comes_at_once_but_within_the_limits() {
+    let mut cfg = config();
+    cfg.interval = Duration::from_secs(3600);
+    cfg.min_pause = Duration::from_millis(500);
+    let mut co = coordinator(cfg);
+    co.request_checkpoint(at(10));
+    assert_eq!(
+        requests(&actions(&mut co)),
+        vec![
+            (t(1), c(1), CheckpointKind::Checkpoint),
+            (t(2), c(1), CheckpointKind::Checkpoint)
+        ]
+    );
+    // One in flight already: a second request waits for it.
+    co.request_checkpoint(at(20));
+    assert_eq!(requests(&actions(&mut co)), vec![]);
+    all_but_sink(&mut co, at(30), 1, 1);
+    co.handle_message(at(30), &built(3, 1, 1)).unwrap();
+    co.handle_manifest_written(at(40), c(1), Ok(7));
+    actions(&mut co);
+    // The minimum pause still holds after a completion, and the interval restarted
+    // from the requested trigger.
+    co.request_checkpoint(at(100));
+    assert_eq!(requests(&actions(&mut co)), vec![]);
+    assert_eq!(co.poll_timeout(), Some(at(540)));
+    co.handle_timeout(at(540));
+    assert_eq!(requests(&actions(&mut co)).len(), 2);
+}
+
+#[test]
 fn at_most_max_concurrent_checkpoints_are_in_flight() {
     let mut co = coordinator(config());
     co.handle_timeout(at(1000));

@@ -142,6 +142,16 @@ impl CoordinatorDriver<'_> {
             if self.apply()? {
                 return Ok(());
             }
+            // Every source has ended: the checkpoint covering the end of the input
+            // comes now, not at the next interval.
+            if self.seen.finished.len() == self.sources.len()
+                && self.coordinator.in_flight().next().is_none()
+            {
+                self.coordinator.request_checkpoint(self.now());
+                if self.apply()? {
+                    return Ok(());
+                }
+            }
             if self.lease.needs_refresh() {
                 self.runtime.block_on(self.lease.refresh())?;
             }

@@ -1,0 +1,323 @@
+//! End-to-end figures of the engine, printed as `FIGURE` lines for `cargo xtask bench`
+//! (see `docs/performance.md`). Every ratio compares runs made here, one after the
+//! other, alternating, so a shared machine's noise falls on both sides.
+//!
+//! - P1 `engine.throughput_ckpt_1s_vs_off`: the keyed word count's throughput with a
+//!   checkpoint every second ÷ with checkpoints off (an interval longer than the run;
+//!   the final checkpoint of a bounded job is taken either way);
+//! - P2 `engine.stall_p99`: per checkpoint, the longest alignment plus the longest
+//!   synchronous snapshot of any task;
+//! - P3 `engine.upload_vs_state_1pct`: bytes uploaded per checkpoint ÷ the state's
+//!   size, once the state is loaded and only 1 % of its keys keep changing;
+//! - `engine.checkpoint_duration_p99_{4,16,64}_tasks`: trigger → commit;
+//! - P10 `engine.shortest_sustained_interval`: with 16 tasks, the shortest interval of
+//!   1000, 500, 250, 100, 50 ms at which every checkpoint commits before the next
+//!   trigger and throughput stays ≥ 0.95 of checkpoints off.
+//!
+//! Without `--bench` (how `cargo test` runs bench targets) it is a smoke run at tiny
+//! sizes that checks every figure is produced; `--quick` (`cargo xtask bench --quick`)
+//! uses smaller inputs than the full run. `STILLPOINT_BENCH_ENGINE_WORDS` overrides the
+//! words per source.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::print_stdout,
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss
+)]
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use stillpoint::{CheckpointStats, JobConfig, RunOptions, WordCount, WordInput};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Smoke,
+    Quick,
+    Full,
+}
+
+struct Sizes {
+    /// Words per source of the throughput runs.
+    words: u64,
+    /// Distinct words of the throughput runs.
+    vocabulary: u32,
+    /// Runs per side of P1.
+    repeats: usize,
+    /// Keys of the 1 % run, and records per source after the load.
+    p3_keys: u32,
+    p3_updates: u64,
+    /// The interval standing for "every second" (shorter in the smoke run).
+    interval: Duration,
+}
+
+impl Sizes {
+    fn of(mode: Mode) -> Self {
+        let words = std::env::var("STILLPOINT_BENCH_ENGINE_WORDS")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        match mode {
+            Mode::Smoke => Self {
+                words: words.unwrap_or(20_000),
+                vocabulary: 2_000,
+                repeats: 1,
+                p3_keys: 20_000,
+                p3_updates: 20_000,
+                interval: Duration::from_millis(100),
+            },
+            Mode::Quick => Self {
+                words: words.unwrap_or(3_000_000),
+                vocabulary: 1_000_000,
+                repeats: 2,
+                p3_keys: 2_000_000,
+                p3_updates: 3_000_000,
+                interval: Duration::from_secs(1),
+            },
+            Mode::Full => Self {
+                words: words.unwrap_or(10_000_000),
+                vocabulary: 5_000_000,
+                repeats: 3,
+                p3_keys: 10_000_000,
+                p3_updates: 10_000_000,
+                interval: Duration::from_secs(1),
+            },
+        }
+    }
+}
+
+/// One finished run: records per second and the checkpoints it completed.
+struct Run {
+    rate: f64,
+    checkpoints: Vec<CheckpointStats>,
+}
+
+fn run(dir: &Path, job: &WordCount, interval: Duration, records: u64) -> Run {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    let mut config = JobConfig::new(dir.join("work"));
+    config.checkpoint_interval = interval;
+    let job = WordCount {
+        output: dir.join("out"),
+        ..job.clone()
+    };
+    let started = Instant::now();
+    let report = stillpoint::run(&config, &job, RunOptions::default()).unwrap();
+    let elapsed = started.elapsed().as_secs_f64();
+    std::fs::remove_dir_all(dir).unwrap();
+    Run {
+        rate: records as f64 / elapsed,
+        checkpoints: report.checkpoints,
+    }
+}
+
+fn generated(aggregators: u32, words: u64, vocabulary: u32) -> WordCount {
+    WordCount {
+        sources: 2,
+        aggregators,
+        input: WordInput::Generated {
+            words_per_source: words,
+            vocabulary,
+            seed: 42,
+        },
+        output: PathBuf::new(),
+    }
+}
+
+const OFF: Duration = Duration::from_secs(3600);
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn percentile(values: &[f64], p: usize) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let at = (sorted.len() * p).div_ceil(100).saturating_sub(1);
+    sorted.get(at.min(sorted.len() - 1)).copied().unwrap_or(0.0)
+}
+
+fn figure(line: &str) {
+    println!("FIGURE {line}");
+    std::io::stdout().flush().unwrap();
+}
+
+/// The periodic checkpoints of a run (the bounded job's final one comes at the end of
+/// input, not on the interval).
+fn periodic(checkpoints: &[CheckpointStats]) -> &[CheckpointStats] {
+    checkpoints.split_last().map_or(&[], |(_, rest)| rest)
+}
+
+fn p1_p2(dir: &Path, sizes: &Sizes) {
+    let job = generated(3, sizes.words, sizes.vocabulary);
+    let records = 2 * sizes.words;
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    let mut stalls = Vec::new();
+    let mut state = 0;
+    for _ in 0..sizes.repeats {
+        off.push(run(dir, &job, OFF, records).rate);
+        let with = run(dir, &job, sizes.interval, records);
+        on.push(with.rate);
+        for c in &with.checkpoints {
+            stalls.push((c.max_alignment_micros + c.max_sync_micros) as f64 / 1e3);
+            state = state.max(c.state_bytes);
+        }
+    }
+    let (on, off) = (median(on), median(off));
+    figure(&format!(
+        "engine.throughput_ckpt_1s_vs_off = {:.3} ratio goal >= 0.97 (word count 2 → 3 → 3 tasks, {} words, checkpoint every {} ms: {:.0} records/s, off: {:.0} records/s)",
+        on / off,
+        records,
+        sizes.interval.as_millis(),
+        on,
+        off
+    ));
+    figure(&format!(
+        "engine.stall_p99 = {:.2} ms goal <= 10 (alignment + synchronous snapshot, longest task per checkpoint, {} checkpoints, p50 {:.2} ms, state up to {:.1} MiB)",
+        percentile(&stalls, 99),
+        stalls.len(),
+        percentile(&stalls, 50),
+        state as f64 / f64::from(1 << 20)
+    ));
+}
+
+/// Writes one source's input: its half of `keys` distinct words once (the load), then
+/// `updates` words drawn from the first 1 % of the keys.
+fn p3_input(path: &Path, index: u32, keys: u32, updates: u64) {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut line = 0;
+    for key in (index..keys).step_by(2) {
+        write!(out, "k{key:09}").unwrap();
+        line += 1;
+        out.write_all(if line % 16 == 0 { b"\n" } else { b" " })
+            .unwrap();
+    }
+    let hot = (keys / 100).max(1);
+    let mut z = u64::from(index) + 1;
+    for i in 0..updates {
+        z = z
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        write!(out, "k{:09}", (z >> 33) % u64::from(hot)).unwrap();
+        out.write_all(if i % 16 == 15 { b"\n" } else { b" " })
+            .unwrap();
+    }
+    out.write_all(b"\n").unwrap();
+}
+
+fn p3(dir: &Path, sizes: &Sizes) {
+    let inputs = dir.join("p3-input");
+    std::fs::create_dir_all(&inputs).unwrap();
+    let paths: Vec<PathBuf> = (0..2).map(|i| inputs.join(format!("{i}.txt"))).collect();
+    for (i, path) in paths.iter().enumerate() {
+        p3_input(path, i as u32, sizes.p3_keys, sizes.p3_updates);
+    }
+    let job = WordCount {
+        sources: 2,
+        aggregators: 3,
+        input: WordInput::Files {
+            paths: paths.clone(),
+        },
+        output: PathBuf::new(),
+    };
+    let records = u64::from(sizes.p3_keys) + 2 * sizes.p3_updates;
+    let result = run(&dir.join("p3"), &job, sizes.interval, records);
+    std::fs::remove_dir_all(&inputs).unwrap();
+    let full = result
+        .checkpoints
+        .iter()
+        .map(|c| c.state_bytes)
+        .max()
+        .unwrap_or(0);
+    // Checkpoints once the state is loaded: within 10 % of its final size.
+    let loaded: Vec<f64> = periodic(&result.checkpoints)
+        .iter()
+        .filter(|c| c.state_bytes as f64 >= 0.9 * full as f64)
+        .map(|c| c.uploaded_bytes as f64 / c.state_bytes.max(1) as f64)
+        .collect();
+    figure(&format!(
+        "engine.upload_vs_state_1pct = {:.4} ratio goal <= 0.05 (median over {} checkpoints after the load of {} keys, {:.1} MiB of state; p99 {:.4})",
+        median(loaded.clone()),
+        loaded.len(),
+        sizes.p3_keys,
+        full as f64 / f64::from(1 << 20),
+        percentile(&loaded, 99)
+    ));
+}
+
+fn durations(dir: &Path, sizes: &Sizes) {
+    for (tasks, aggregators) in [(4, 1), (16, 7), (64, 31)] {
+        let job = generated(aggregators, sizes.words / 2, sizes.vocabulary);
+        let interval = sizes.interval / 4;
+        let result = run(dir, &job, interval, sizes.words);
+        let millis: Vec<f64> = result
+            .checkpoints
+            .iter()
+            .map(|c| c.duration_millis as f64)
+            .collect();
+        figure(&format!(
+            "engine.checkpoint_duration_p99_{tasks}_tasks = {:.0} ms (trigger → commit, {} checkpoints every {} ms, p50 {:.0} ms, {:.0} records/s)",
+            percentile(&millis, 99),
+            millis.len(),
+            interval.as_millis(),
+            percentile(&millis, 50),
+            result.rate
+        ));
+    }
+}
+
+fn p10(dir: &Path, sizes: &Sizes) {
+    let job = generated(7, sizes.words, sizes.vocabulary);
+    let records = 2 * sizes.words;
+    let off = run(dir, &job, OFF, records).rate;
+    let mut shortest = None;
+    let mut tried = Vec::new();
+    for millis in [1000u64, 500, 250, 100, 50] {
+        let interval = Duration::from_millis(millis);
+        let result = run(dir, &job, interval, records);
+        let periodic = periodic(&result.checkpoints);
+        let late = periodic
+            .iter()
+            .filter(|c| c.duration_millis >= millis)
+            .count();
+        let ratio = result.rate / off;
+        tried.push(format!(
+            "{millis} ms: {} checkpoints, {late} late, {ratio:.2}×",
+            periodic.len()
+        ));
+        if late > 0 || ratio < 0.95 || periodic.is_empty() {
+            break;
+        }
+        shortest = Some(millis);
+    }
+    figure(&format!(
+        "engine.shortest_sustained_interval = {} ms goal <= 100 (16 tasks, file://; {})",
+        shortest.map_or(f64::INFINITY, |m| m as f64),
+        tried.join("; ")
+    ));
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let mode = if !args.iter().any(|a| a == "--bench") {
+        Mode::Smoke
+    } else if args.iter().any(|a| a == "--quick") {
+        Mode::Quick
+    } else {
+        Mode::Full
+    };
+    let sizes = Sizes::of(mode);
+    let dir = tempfile::tempdir().unwrap();
+    let scratch = dir.path().join("run");
+    p1_p2(&scratch, &sizes);
+    p3(dir.path(), &sizes);
+    durations(&scratch, &sizes);
+    p10(&scratch, &sizes);
+}
