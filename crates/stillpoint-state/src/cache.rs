@@ -4,7 +4,8 @@
 //! dirty map for an empty one — O(1), the task's whole stall — and returns a
 //! [`SnapshotJob`] that writes the frozen map as one batch, flushes and creates the
 //! RocksDB checkpoint wherever the caller runs it (the engine: another thread). Reads
-//! go through new-dirty → frozen (newest first) → clean cache → RocksDB, so they see
+//! go through new-dirty → frozen (newest first) → the newest frozen maps already
+//! written (a read tier while the budget allows) → clean cache → RocksDB, so they see
 //! the latest write at every moment, and the checkpoint of `n` is exactly the state
 //! at barrier `n`.
 //!
@@ -90,6 +91,9 @@ impl Progress {
     }
 }
 
+/// Frozen maps kept as a read tier after their batch reached RocksDB.
+const WRITTEN_TIER: usize = 2;
+
 /// Keyed state with a write-back cache; see the module docs.
 #[derive(Debug)]
 pub struct CachedState {
@@ -103,6 +107,10 @@ pub struct CachedState {
     /// map of millions of entries takes hundreds of milliseconds, which must not
     /// happen on the task's path.
     retired: Vec<Arc<Frozen>>,
+    /// The newest frozen maps already in RocksDB, kept as a read tier while the
+    /// budget allows: without them every key would be read back from RocksDB once
+    /// after each checkpoint (a cost a checkpoints-off run never pays).
+    written: VecDeque<Arc<Frozen>>,
     clean: HashMap<CacheKey, Option<Vec<u8>>>,
     clean_bytes: usize,
     budget: usize,
@@ -162,6 +170,7 @@ impl CachedState {
             dirty_bytes: 0,
             frozen: VecDeque::new(),
             retired: Vec::new(),
+            written: VecDeque::new(),
             clean: HashMap::new(),
             clean_bytes: 0,
             budget,
@@ -190,6 +199,7 @@ impl CachedState {
                 .frozen
                 .iter()
                 .chain(&self.retired)
+                .chain(&self.written)
                 .map(|f| f.bytes)
                 .sum::<usize>()
             + self.clean_bytes
@@ -215,17 +225,30 @@ impl CachedState {
         self.names.get(id as usize).map_or("", String::as_str)
     }
 
-    /// Drops frozen maps whose batch is in RocksDB (reads can go there now).
+    /// Moves frozen maps whose batch is in RocksDB to the written read tier, keeping
+    /// its newest [`WRITTEN_TIER`] maps; older ones are retired (freed off the path).
     fn release_written(&mut self) {
         let written = self.progress.written.load(Ordering::Acquire);
         while self.frozen.front().is_some_and(|f| f.seq <= written) {
             if let Some(frozen) = self.frozen.pop_front() {
-                self.retired.push(frozen);
+                self.written.push_back(frozen);
+            }
+        }
+        while self.written.len() > WRITTEN_TIER {
+            if let Some(old) = self.written.pop_front() {
+                self.retired.push(old);
             }
         }
     }
 
-    /// The overlay value of `key`: `Some(v)` if dirty or frozen knows it.
+    /// Retires the whole written tier (its values may be older than RocksDB's after
+    /// a spill, and its memory is needed).
+    fn retire_written(&mut self) {
+        self.retired.extend(self.written.drain(..));
+    }
+
+    /// The overlay value of `key`: `Some(v)` if dirty, frozen or the written tier
+    /// knows it (newest first).
     fn overlay(&self, key: &CacheKey) -> Option<Option<Vec<u8>>> {
         if let Some(value) = self.dirty.get(key) {
             return Some(value.clone());
@@ -233,6 +256,7 @@ impl CachedState {
         self.frozen
             .iter()
             .rev()
+            .chain(self.written.iter().rev())
             .find_map(|f| f.entries.get(key).cloned())
     }
 
@@ -250,6 +274,7 @@ impl CachedState {
         }
         self.clean.clear();
         self.clean_bytes = 0;
+        self.retire_written();
         if self.dirty_bytes <= self.budget / 2 {
             return Ok(());
         }

@@ -17,7 +17,7 @@
 //! Without `--bench` (how `cargo test` runs bench targets) it is a smoke run at tiny
 //! sizes that checks every figure is produced; `--quick` (`cargo xtask bench --quick`)
 //! uses smaller inputs than the full run. `STILLPOINT_BENCH_ENGINE_WORDS` overrides the
-//! words per source.
+//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,p3,durations,p10` runs a subset.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -32,6 +32,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use stillpoint::{CheckpointStats, JobConfig, RunOptions, WordCount, WordInput};
+
+// What the `stillpoint` binary runs on (see docs/performance.md: glibc's malloc stalls
+// a task for a long time after a large frozen map is freed).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -316,8 +321,19 @@ fn main() {
     let sizes = Sizes::of(mode);
     let dir = tempfile::tempdir().unwrap();
     let scratch = dir.path().join("run");
-    p1_p2(&scratch, &sizes);
-    p3(dir.path(), &sizes);
-    durations(&scratch, &sizes);
-    p10(&scratch, &sizes);
+    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,p3,durations,p10` runs a subset (profiling).
+    let only = std::env::var("STILLPOINT_BENCH_ENGINE_ONLY").unwrap_or_default();
+    let wanted = |name: &str| only.is_empty() || only.split(',').any(|n| n == name);
+    if wanted("p1") {
+        p1_p2(&scratch, &sizes);
+    }
+    if wanted("p3") {
+        p3(dir.path(), &sizes);
+    }
+    if wanted("durations") {
+        durations(&scratch, &sizes);
+    }
+    if wanted("p10") {
+        p10(&scratch, &sizes);
+    }
 }
