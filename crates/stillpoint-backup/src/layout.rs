@@ -22,6 +22,8 @@ pub(crate) const STATS: &str = "stats/";
 pub(crate) const JOURNALS: &str = "journal/";
 /// The job's lease scope.
 pub(crate) const JOB_LEASE: &str = "lease/";
+/// Written when a bounded job has ended: the checkpoint it ended at.
+pub(crate) const FINISHED: &str = "job/finished.json";
 
 /// The stored object of a snapshot file with this digest.
 pub(crate) fn shared_object(digest: &Sha256Digest) -> String {

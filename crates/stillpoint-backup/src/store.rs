@@ -1067,6 +1067,32 @@ impl Store {
         self.put(&path, bytes).await
     }
 
+    /// Records that the job ended at committed checkpoint `id`: its bounded input was
+    /// consumed and every sink published (`job/finished.json`). A coordinator
+    /// restarted after telling its nodes to exit reads it instead of waiting for
+    /// nodes that are gone.
+    pub async fn mark_finished(&self, id: CheckpointId) -> Result<(), StoreError> {
+        self.put(layout::FINISHED, id.get().to_string().into_bytes())
+            .await
+    }
+
+    /// The checkpoint the job was marked finished at, if it was.
+    pub async fn finished(&self) -> Result<Option<CheckpointId>, StoreError> {
+        let bytes = match self.get(layout::FINISHED).await {
+            Ok(bytes) => bytes,
+            Err(error) if error.is_not_found() => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        text.trim()
+            .parse()
+            .map(|id| Some(CheckpointId(id)))
+            .map_err(|_| StoreError::Corrupt {
+                path: layout::FINISHED.to_owned(),
+                problem: format!("not a checkpoint id: {:?}", text.trim()),
+            })
+    }
+
     /// Every statistics document, oldest checkpoint first; undecodable ones are skipped
     /// with a warning.
     pub async fn stats<T: serde::de::DeserializeOwned>(

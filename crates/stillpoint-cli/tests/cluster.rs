@@ -68,4 +68,31 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let expected = expected(words, 300);
     assert_eq!(output.len(), expected.len(), "lost or duplicated records");
     assert_eq!(output, expected);
+
+    // A coordinator restarted after its nodes were told to exit (killed between the
+    // two, say) finds the job finished instead of waiting for nodes that are gone.
+    let mut again = spawn(&["coordinator"], &job, &logs.join("coordinator-again.log"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = again.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = again.kill();
+            panic!("a coordinator of a finished job waited for its nodes");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = std::fs::read_to_string(logs.join("coordinator-again.log")).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("the job already finished") && log.contains("done: 0 checkpoint(s)"),
+        "{log}"
+    );
+    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    output.sort();
+    assert_eq!(
+        output, expected,
+        "the restarted coordinator changed nothing"
+    );
 }

@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use stillpoint_backup::{Lease, Store, SystemClock};
+use stillpoint_backup::{Lease, Store, StoreError, SystemClock};
 use stillpoint_state::KeyGroups;
 use stillpoint_wire::{CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, TaskId};
 
@@ -192,6 +192,18 @@ pub fn run_coordinator(
     tracing::info!(address = %cluster.coordinator, nodes = cluster.nodes.len(), "coordinator listening");
 
     let mut report = JobReport::default();
+    // A coordinator restarted after it told the nodes to exit: the job is done.
+    if let Some(id) = already_finished(&runtime, &store)? {
+        tracing::info!(checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
+        report.restored_from = Some(id);
+        if let Some(tell) = options.on_start.take() {
+            tell(&report);
+        }
+        halt.store(true, Ordering::SeqCst);
+        let _joined = acceptor.join();
+        runtime.block_on(lease.release())?;
+        return Ok(report);
+    }
     let mut nodes: BTreeMap<NodeId, NodeLink> = BTreeMap::new();
     let mut bad = BTreeSet::new();
     let mut failovers_without_progress = 0u32;
@@ -301,6 +313,14 @@ pub fn run_coordinator(
                 }
                 match wait_finished(g, &cluster, &mut nodes, &inputs_rx, &runtime, &lease) {
                     Ok(true) => {
+                        // Recorded before the nodes exit, so a coordinator restarted
+                        // from here on does not wait for them.
+                        let last = runtime.block_on(highest_checkpoint_committed(&store));
+                        if let Err(error) = last.and_then(|id| {
+                            id.map_or(Ok(()), |id| runtime.block_on(store.mark_finished(id)))
+                        }) {
+                            break Err(error.into());
+                        }
                         for link in nodes.values() {
                             let _closed = link.writer.send(Envelope::Engine(EngineMessage::Exit));
                         }
@@ -534,6 +554,24 @@ fn wait_for_nodes(
         }
     }
     Ok(())
+}
+
+/// The newest committed checkpoint, if any.
+async fn highest_checkpoint_committed(store: &Store) -> Result<Option<CheckpointId>, StoreError> {
+    Ok(store.committed_ids().await?.last().copied())
+}
+
+/// The checkpoint the job finished at, when that is still the newest committed one
+/// (a newer checkpoint means the job was run again since).
+fn already_finished(
+    runtime: &tokio::runtime::Runtime,
+    store: &Store,
+) -> Result<Option<CheckpointId>, EngineError> {
+    let Some(finished) = runtime.block_on(store.finished())? else {
+        return Ok(None);
+    };
+    let newest = runtime.block_on(highest_checkpoint_committed(store))?;
+    Ok((newest == Some(finished)).then_some(finished))
 }
 
 fn choose_restore(
