@@ -7,6 +7,8 @@
     clippy::indexing_slicing
 )]
 
+mod support;
+
 use assert_cmd::Command;
 
 fn stillpoint() -> Command {
@@ -152,8 +154,9 @@ fn run_then_inspect_the_store() {
     // A flipped byte in a stored file: verify names it and exits non-zero.
     let shared = dir.path().join("data/store");
     // The largest content-addressed file: an SST of the newest checkpoint's state.
-    let victim = walk(&shared.join("shared"))
+    let victim = support::files(&shared.join("shared"))
         .into_iter()
+        .map(|file| shared.join("shared").join(file))
         .max_by_key(|p| std::fs::metadata(p).unwrap().len())
         .expect("a shared file in the store");
     let mut bytes = std::fs::read(&victim).unwrap();
@@ -172,19 +175,6 @@ fn run_then_inspect_the_store() {
         text.contains("BAD") && text.contains(name.as_ref()),
         "{text}"
     );
-}
-
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            out.extend(walk(&path));
-        } else {
-            out.push(path);
-        }
-    }
-    out
 }
 
 fn one_line_error(command: &mut Command) -> String {

@@ -12,7 +12,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{expected, free_port, spawn, word_count_job};
+use support::{expected, free_port, spawn, wait_up_to, word_count_job};
 
 #[test]
 fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
@@ -39,21 +39,14 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
         &job,
         &logs.join("node2-restarted.log"),
     );
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let status = loop {
-        if let Some(status) = coordinator.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = coordinator.kill();
-            let _ = node1.kill();
-            let _ = node2.kill();
-            panic!(
-                "the cluster did not finish in 180 s; coordinator log:\n{}",
-                std::fs::read_to_string(logs.join("coordinator.log")).unwrap()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let Some(status) = wait_up_to(&mut coordinator, Duration::from_secs(180)) else {
+        let _ = coordinator.kill();
+        let _ = node1.kill();
+        let _ = node2.kill();
+        panic!(
+            "the cluster did not finish in 180 s; coordinator log:\n{}",
+            std::fs::read_to_string(logs.join("coordinator.log")).unwrap()
+        );
     };
     let log = std::fs::read_to_string(logs.join("coordinator.log")).unwrap();
     assert!(status.success(), "coordinator failed:\n{log}");
@@ -72,16 +65,9 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     // A coordinator restarted after its nodes were told to exit (killed between the
     // two, say) finds the job finished instead of waiting for nodes that are gone.
     let mut again = spawn(&["coordinator"], &job, &logs.join("coordinator-again.log"));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = again.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = again.kill();
-            panic!("a coordinator of a finished job waited for its nodes");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = wait_up_to(&mut again, Duration::from_secs(30)) else {
+        let _ = again.kill();
+        panic!("a coordinator of a finished job waited for its nodes");
     };
     let log = std::fs::read_to_string(logs.join("coordinator-again.log")).unwrap();
     assert!(status.success(), "{log}");

@@ -18,7 +18,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::{expected, lost_and_duplicated, write_word_count_job};
+use support::{expected, files, lost_and_duplicated, wait_up_to, write_word_count_job};
 
 const VOCABULARY: u32 = 300;
 
@@ -61,29 +61,6 @@ fn verify(store: &str) -> (bool, String) {
 
 fn store_uri(dir: &Path, work: &str) -> String {
     format!("file://{}", dir.join(work).join("store").display())
-}
-
-/// Every file under `root`, relative to it, sorted.
-fn files(root: &Path) -> Vec<String> {
-    fn walk(dir: &Path, root: &Path, out: &mut Vec<String>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                walk(&path, root, out);
-            } else {
-                out.push(
-                    path.strip_prefix(root)
-                        .unwrap()
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(root, root, &mut out);
-    out.sort();
-    out
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -419,17 +396,8 @@ impl Background {
     }
 
     fn wait(&mut self) -> std::process::ExitStatus {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if std::time::Instant::now() > deadline {
-                let _killed = self.child.kill();
-                panic!("did not exit: {:?}", self.lines());
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_up_to(&mut self.child, std::time::Duration::from_secs(120))
+            .unwrap_or_else(|| panic!("did not exit: {:?}", self.lines()))
     }
 }
 

@@ -26,7 +26,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use support::rng::Rng;
-use support::{expected, free_port, lost_and_duplicated, spawn, word_count_job};
+use support::{expected, free_port, lost_and_duplicated, spawn, wait_up_to, word_count_job};
 
 const WORDS: u64 = 40_000;
 /// After this many kills in a row within a round, one run is left alone.
@@ -60,20 +60,6 @@ fn wanted(mode: u64) -> bool {
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .is_none_or(|procs| procs == mode)
-}
-
-/// Sleeps up to `delay`, returning early if `child` exits; its status if it did.
-fn wait_up_to(child: &mut Child, delay: Duration) -> Option<std::process::ExitStatus> {
-    let until = Instant::now() + delay;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() >= until {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 fn kill(child: &mut Child) {

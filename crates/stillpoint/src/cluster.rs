@@ -171,6 +171,19 @@ pub fn run_coordinator(
         lease_config(config),
         Arc::new(SystemClock),
     ))?;
+    // A coordinator restarted after it told the nodes to exit: the job is done.
+    if let Some(id) = already_finished(&runtime, &store)? {
+        tracing::info!(checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
+        let report = JobReport {
+            restored_from: Some(id),
+            ..JobReport::default()
+        };
+        if let Some(tell) = options.on_start.take() {
+            tell(&report);
+        }
+        runtime.block_on(lease.release())?;
+        return Ok(report);
+    }
     let topology = Topology::of(job);
     let metrics = Arc::new(Metrics::new(&topology.all()));
     let generation = Arc::new(AtomicU64::new(0));
@@ -192,18 +205,6 @@ pub fn run_coordinator(
     tracing::info!(address = %cluster.coordinator, nodes = cluster.nodes.len(), "coordinator listening");
 
     let mut report = JobReport::default();
-    // A coordinator restarted after it told the nodes to exit: the job is done.
-    if let Some(id) = already_finished(&runtime, &store)? {
-        tracing::info!(checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
-        report.restored_from = Some(id);
-        if let Some(tell) = options.on_start.take() {
-            tell(&report);
-        }
-        halt.store(true, Ordering::SeqCst);
-        let _joined = acceptor.join();
-        runtime.block_on(lease.release())?;
-        return Ok(report);
-    }
     let mut nodes: BTreeMap<NodeId, NodeLink> = BTreeMap::new();
     let mut bad = BTreeSet::new();
     let mut failovers_without_progress = 0u32;
@@ -315,10 +316,7 @@ pub fn run_coordinator(
                     Ok(true) => {
                         // Recorded before the nodes exit, so a coordinator restarted
                         // from here on does not wait for them.
-                        let last = runtime.block_on(highest_checkpoint_committed(&store));
-                        if let Err(error) = last.and_then(|id| {
-                            id.map_or(Ok(()), |id| runtime.block_on(store.mark_finished(id)))
-                        }) {
+                        if let Err(error) = runtime.block_on(record_finished(&store)) {
                             break Err(error.into());
                         }
                         for link in nodes.values() {
@@ -556,9 +554,12 @@ fn wait_for_nodes(
     Ok(())
 }
 
-/// The newest committed checkpoint, if any.
-async fn highest_checkpoint_committed(store: &Store) -> Result<Option<CheckpointId>, StoreError> {
-    Ok(store.committed_ids().await?.last().copied())
+/// Marks the job finished at its newest committed checkpoint (the final one).
+async fn record_finished(store: &Store) -> Result<(), StoreError> {
+    match store.committed_ids().await?.last() {
+        Some(id) => store.mark_finished(*id).await,
+        None => Ok(()),
+    }
 }
 
 /// The checkpoint the job finished at, when that is still the newest committed one
@@ -570,7 +571,7 @@ fn already_finished(
     let Some(finished) = runtime.block_on(store.finished())? else {
         return Ok(None);
     };
-    let newest = runtime.block_on(highest_checkpoint_committed(store))?;
+    let newest = runtime.block_on(store.committed_ids())?.last().copied();
     Ok((newest == Some(finished)).then_some(finished))
 }
 
@@ -610,7 +611,7 @@ fn choose_restore(
             }
         }
     }
-    EngineError::unless_nothing_committed(committed.len(), &report.fell_back_from)?;
+    EngineError::refuse_fresh_start(committed.len(), &report.fell_back_from)?;
     Ok(None)
 }
 

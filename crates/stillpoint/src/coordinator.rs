@@ -144,9 +144,7 @@ impl CoordinatorDriver<'_> {
             }
             // Every source has ended: the checkpoint covering the end of the input
             // comes now, not at the next interval.
-            if self.seen.finished.len() == self.sources.len()
-                && self.coordinator.in_flight().next().is_none()
-            {
+            if self.all_sources_finished() && self.coordinator.in_flight().next().is_none() {
                 self.coordinator.request_checkpoint(self.now());
                 if self.apply()? {
                     return Ok(());
@@ -156,6 +154,11 @@ impl CoordinatorDriver<'_> {
                 self.runtime.block_on(self.lease.refresh())?;
             }
         }
+    }
+
+    /// Whether every source has reported the end of its input.
+    fn all_sources_finished(&self) -> bool {
+        self.seen.finished.len() == self.sources.len()
     }
 
     /// Carries out the coordinator's actions; `true` once the job is done.
@@ -227,7 +230,7 @@ impl CoordinatorDriver<'_> {
                         .stop_after
                         .is_some_and(|after| completed.checkpoint > after);
                     let covered = self.seen.offsets.get(&completed.checkpoint);
-                    done |= self.seen.finished.len() == self.sources.len()
+                    done |= self.all_sources_finished()
                         && covered.is_some_and(|offsets| *offsets == self.seen.finished);
                     self.seen.offsets.retain(|id, _| *id > completed.checkpoint);
                 }

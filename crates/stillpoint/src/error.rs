@@ -66,9 +66,9 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    /// Refuses a fresh start over `committed` checkpoints that all failed to restore
-    /// (the reasons in `fell_back`, newest first); `Ok` when there were none.
-    pub(crate) fn unless_nothing_committed(
+    /// Refuses a fresh start when the store has `committed` checkpoints and none was
+    /// restored (the reasons in `fell_back`, newest first); `Ok` when it has none.
+    pub(crate) fn refuse_fresh_start(
         committed: usize,
         fell_back: &[crate::FallBack],
     ) -> Result<(), Self> {

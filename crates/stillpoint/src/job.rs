@@ -583,7 +583,7 @@ pub(crate) async fn restore_point(
             }
         }
     }
-    EngineError::unless_nothing_committed(committed.len(), &report.fell_back_from)?;
+    EngineError::refuse_fresh_start(committed.len(), &report.fell_back_from)?;
     Ok(None)
 }
 

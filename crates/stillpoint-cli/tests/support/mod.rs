@@ -1,6 +1,7 @@
 //! What the binary's multi-process tests share: free loopback ports, spawning
-//! `stillpoint` with its output in a log file, the failure-free output of the
-//! generated word count, and a seeded generator for kill times.
+//! `stillpoint` with its output in a log file, waiting for a process with a limit,
+//! listing a store's files, the failure-free output of the generated word count, and
+//! a seeded generator for kill times.
 #![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation)]
 
 #[path = "../../../../tests/tests/support/rng.rs"]
@@ -8,7 +9,8 @@ pub(crate) mod rng;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -16,6 +18,43 @@ pub(crate) fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Sleeps up to `delay`, returning early if `child` exits; its status if it did.
+pub(crate) fn wait_up_to(child: &mut Child, delay: Duration) -> Option<ExitStatus> {
+    let until = Instant::now() + delay;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Every file under `root`, relative to it, sorted.
+pub(crate) fn files(root: &Path) -> Vec<String> {
+    fn walk(dir: &Path, root: &Path, out: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, root, out);
+            } else {
+                out.push(
+                    path.strip_prefix(root)
+                        .unwrap()
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out);
+    out.sort();
+    out
 }
 
 /// Starts `stillpoint ARGS[0] JOB ARGS[1..] --log info`, stdout and stderr to `log`.
