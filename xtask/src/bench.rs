@@ -1,4 +1,5 @@
-//! `cargo xtask bench [--quick]`: every criterion bench of the workspace, then a report.
+//! `cargo xtask bench [--quick] [--no-peers]`: every criterion bench of the workspace,
+//! then the peers (Flink, Bytewax: see `peers.rs`), then a report.
 //!
 //! Benches print figures as lines of the form
 //!
@@ -37,6 +38,25 @@ impl Figure {
             "<=" => self.value <= *target,
             _ => return None,
         })
+    }
+}
+
+impl Figure {
+    /// The figure as the `FIGURE` line [`parse_figure`] reads.
+    pub(crate) fn line(&self) -> String {
+        let goal = self
+            .goal
+            .as_ref()
+            .map_or_else(String::new, |(op, t)| format!(" goal {op} {t}"));
+        let note = if self.note.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", self.note)
+        };
+        format!(
+            "FIGURE {} = {} {}{goal}{note}",
+            self.name, self.value, self.unit
+        )
     }
 }
 
@@ -91,7 +111,8 @@ fn machine_facts() -> Vec<(String, String)> {
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
-    if let Some(other) = args.iter().find(|a| *a != "--quick") {
+    let peers = !args.iter().any(|a| a == "--no-peers");
+    if let Some(other) = args.iter().find(|a| *a != "--quick" && *a != "--no-peers") {
         bail!("unknown bench option `{other}`");
     }
     let mut command = Command::new(cargo_bin());
@@ -119,6 +140,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let status = child.wait()?;
     if !status.success() {
         bail!("cargo bench failed: {status}");
+    }
+    if peers {
+        let theirs = crate::peers::run(quick, &figures)?;
+        for f in &theirs {
+            println!("{}", f.line());
+        }
+        figures.extend(theirs);
     }
     write_report(&figures, quick)
 }
@@ -194,5 +222,8 @@ mod tests {
         assert_eq!((f.met(), f.goal), (None, None));
         assert_eq!(parse_figure("control/barrier time: [1 ns 2 ns 3 ns]"), None);
         assert_eq!(parse_figure("FIGURE broken = x ratio"), None);
+
+        let f = parse_figure("FIGURE peers.x = 7.5 ratio goal >= 5 (a ÷ b)").unwrap();
+        assert_eq!(parse_figure(&f.line()), Some(f));
     }
 }

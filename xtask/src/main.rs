@@ -7,7 +7,7 @@
 //! cargo xtask lint               rustfmt --check and clippy -D warnings
 //! cargo xtask ci                 lint, then test
 //! cargo xtask tidy               the repository rules (also part of `test`)
-//! cargo xtask bench [--quick]    criterion benches; figures to target/bench/report.{md,json}
+//! cargo xtask bench [--quick] [--no-peers]   criterion benches and peers; figures to target/bench/report.{md,json}
 //! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
 //! cargo xtask sim [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulator
 //! cargo xtask torture [--runs N] [--procs 1|3] [--seed S] [--faults R]   SIGKILL crash loop of the binary
@@ -18,6 +18,7 @@
 
 mod bench;
 mod fuzz;
+mod peers;
 mod release;
 mod setup;
 mod util;
@@ -28,7 +29,7 @@ use anyhow::{Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] [--faults R] | release [--dry-run] VERSION>";
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] [--no-peers] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] [--faults R] | release [--dry-run] VERSION>";
 
 fn main() -> ExitCode {
     match run(std::env::args().skip(1).collect()) {

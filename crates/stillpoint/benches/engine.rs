@@ -17,7 +17,7 @@
 //! Without `--bench` (how `cargo test` runs bench targets) it is a smoke run at tiny
 //! sizes that checks every figure is produced; `--quick` (`cargo xtask bench --quick`)
 //! uses smaller inputs than the full run. `STILLPOINT_BENCH_ENGINE_WORDS` overrides the
-//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,p3,durations,p10` runs a subset.
+//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,peer,p3,durations,p10` runs a subset.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -309,6 +309,37 @@ fn p10(dir: &Path, sizes: &Sizes) {
     ));
 }
 
+/// The keyed count the peers run too (`cargo xtask bench` runs Flink and Bytewax on
+/// it and divides): 1,000 distinct words, a checkpoint every second.
+fn peer_job(dir: &Path, sizes: &Sizes) {
+    let job = generated(3, sizes.words, 1_000);
+    let records = 2 * sizes.words;
+    let mut rates = Vec::new();
+    let mut millis = Vec::new();
+    for _ in 0..sizes.repeats {
+        let result = run(dir, &job, sizes.interval, records);
+        rates.push(result.rate);
+        millis.extend(
+            periodic(&result.checkpoints)
+                .iter()
+                .map(|c| c.duration_millis as f64),
+        );
+    }
+    figure(&format!(
+        "engine.keyed_count_1000_keys = {:.0} records/s (word count 2 → 3 → 3 tasks, {} words, checkpoint every {} ms, median of {})",
+        median(rates),
+        records,
+        sizes.interval.as_millis(),
+        sizes.repeats
+    ));
+    figure(&format!(
+        "engine.keyed_count_1000_keys_checkpoint_p99 = {:.0} ms (trigger → commit, {} checkpoints, p50 {:.0} ms)",
+        percentile(&millis, 99),
+        millis.len(),
+        percentile(&millis, 50)
+    ));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = if !args.iter().any(|a| a == "--bench") {
@@ -321,11 +352,14 @@ fn main() {
     let sizes = Sizes::of(mode);
     let dir = tempfile::tempdir().unwrap();
     let scratch = dir.path().join("run");
-    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,p3,durations,p10` runs a subset (profiling).
+    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,peer,p3,durations,p10` runs a subset (profiling).
     let only = std::env::var("STILLPOINT_BENCH_ENGINE_ONLY").unwrap_or_default();
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|n| n == name);
     if wanted("p1") {
         p1_p2(&scratch, &sizes);
+    }
+    if wanted("peer") {
+        peer_job(&scratch, &sizes);
     }
     if wanted("p3") {
         p3(dir.path(), &sizes);

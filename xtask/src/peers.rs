@@ -1,0 +1,175 @@
+//! The peers of `cargo xtask bench`: the same keyed count (1,000 keys, records
+//! generated in-process, checkpoints every second, state in RocksDB or the peer's own
+//! store, checkpoints to a local directory) on Apache Flink (PyFlink, a Table/SQL job)
+//! and on Bytewax, each installed on demand into a virtualenv under the target
+//! directory — never by the tests. Each peer's script (`xtask/peers/*.py`) prints one
+//! `PEER {json}` line; the figures divide stillpoint's rate, measured by the engine
+//! bench in the same `cargo xtask bench` run, by the peer's.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::bench::Figure;
+use crate::util::{capture, run_command, target_dir, workspace_root};
+
+/// The engine bench's figure the peers are compared with.
+const STILLPOINT_RATE: &str = "engine.keyed_count_1000_keys";
+const STILLPOINT_CHECKPOINT: &str = "engine.keyed_count_1000_keys_checkpoint_p99";
+
+struct Peer {
+    name: &'static str,
+    /// What `pip install` gets, and a module whose import proves it is installed.
+    package: &'static str,
+    module: &'static str,
+    script: &'static str,
+    /// Records of the measured run, quick and full.
+    rows: (u64, u64),
+    /// Whether the script needs a free local port (Flink's REST API).
+    port: bool,
+}
+
+const PEERS: [Peer; 2] = [
+    Peer {
+        name: "flink",
+        package: "apache-flink==2.3.0",
+        module: "pyflink",
+        script: "flink_count.py",
+        rows: (6_000_000, 30_000_000),
+        port: true,
+    },
+    Peer {
+        name: "bytewax",
+        package: "bytewax==0.21.1",
+        module: "bytewax",
+        script: "bytewax_count.py",
+        rows: (4_000_000, 20_000_000),
+        port: false,
+    },
+];
+
+/// Runs every peer and returns its figures, next to stillpoint's from `figures`.
+pub(crate) fn run(quick: bool, figures: &[Figure]) -> Result<Vec<Figure>> {
+    let ours = figures
+        .iter()
+        .find(|f| f.name == STILLPOINT_RATE)
+        .map(|f| f.value)
+        .with_context(|| format!("the engine bench printed no `{STILLPOINT_RATE}` figure"))?;
+    let our_checkpoint = figures
+        .iter()
+        .find(|f| f.name == STILLPOINT_CHECKPOINT)
+        .map(|f| f.value);
+    let home = target_dir()?.join("bench").join("peers");
+    let mut out = Vec::new();
+    for peer in &PEERS {
+        let python = install(peer, &home)?;
+        let rows = if quick { peer.rows.0 } else { peer.rows.1 };
+        let report = measure(peer, &python, &home, rows)?;
+        let rate = number(&report, "records_per_second")?;
+        out.push(figure(
+            &format!("peers.{}.keyed_count", peer.name),
+            rate,
+            "records/s",
+            None,
+            format!(
+                "{rows} records, {:.1} s running",
+                number(&report, "running_seconds")?
+            ),
+        ));
+        out.push(figure(
+            &format!("peers.stillpoint_vs_{}", peer.name),
+            ours / rate,
+            "ratio",
+            Some(5.0),
+            format!("stillpoint {ours:.0} ÷ {} {rate:.0} records/s", peer.name),
+        ));
+        if let Ok(p99) = number(&report, "checkpoint_p99_ms") {
+            let vs = our_checkpoint.map_or_else(String::new, |ms| {
+                format!("; stillpoint p99 {ms:.0} ms on the same job")
+            });
+            out.push(figure(
+                &format!("peers.{}.checkpoint_duration_p99", peer.name),
+                p99,
+                "ms",
+                None,
+                format!(
+                    "{}'s own REST statistics, {} checkpoints, p50 {:.0} ms{vs}",
+                    peer.name,
+                    number(&report, "checkpoints_completed")?,
+                    number(&report, "checkpoint_p50_ms")?
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn figure(name: &str, value: f64, unit: &str, at_least: Option<f64>, note: String) -> Figure {
+    // Two decimals are all a figure of a shared machine can claim.
+    Figure {
+        name: name.to_owned(),
+        value: (value * 100.0).round() / 100.0,
+        unit: unit.to_owned(),
+        goal: at_least.map(|t| (">=".to_owned(), t)),
+        note,
+    }
+}
+
+fn number(report: &Value, field: &str) -> Result<f64> {
+    report
+        .get(field)
+        .and_then(Value::as_f64)
+        .with_context(|| format!("the peer's report has no number `{field}`: {report}"))
+}
+
+/// The peer's virtualenv python, creating the virtualenv and installing the peer the
+/// first time.
+fn install(peer: &Peer, home: &Path) -> Result<PathBuf> {
+    let venv = home.join(format!("{}-venv", peer.name));
+    let python = venv.join("bin").join("python");
+    let installed = python.exists()
+        && Command::new(&python)
+            .args(["-c", &format!("import {}", peer.module)])
+            .output()
+            .is_ok_and(|o| o.status.success());
+    if installed {
+        return Ok(python);
+    }
+    eprintln!("xtask: installing {} into {}", peer.package, venv.display());
+    std::fs::create_dir_all(home)?;
+    run_command(Command::new("python3").arg("-m").arg("venv").arg(&venv))
+        .context("creating a virtualenv needs python3 with the venv module")?;
+    run_command(Command::new(&python).args(["-m", "pip", "install", "--quiet", peer.package]))?;
+    Ok(python)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn measure(peer: &Peer, python: &Path, home: &Path, rows: u64) -> Result<Value> {
+    let work = home.join(format!("{}-run", peer.name));
+    if work.exists() {
+        std::fs::remove_dir_all(&work)?;
+    }
+    std::fs::create_dir_all(&work)?;
+    let script = workspace_root()?
+        .join("xtask")
+        .join("peers")
+        .join(peer.script);
+    let mut command = Command::new(python);
+    command.arg(&script).arg(rows.to_string()).arg(&work);
+    if peer.port {
+        command.arg(free_port()?.to_string());
+    }
+    eprintln!("xtask: $ {command:?}");
+    let stdout = capture(&mut command)?;
+    std::fs::remove_dir_all(&work)?;
+    let Some(line) = stdout.lines().find_map(|l| l.strip_prefix("PEER ")) else {
+        bail!("{} printed no `PEER` line:\n{stdout}", peer.name);
+    };
+    serde_json::from_str(line).with_context(|| format!("{}'s `PEER` line: {line}", peer.name))
+}
