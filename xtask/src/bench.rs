@@ -125,11 +125,65 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // Backup benches: a 128 MiB snapshot instead of 1 GiB.
         command.env("STILLPOINT_BENCH_SNAPSHOT_MIB", "128");
     }
+    let mut figures = collect(&mut command)?;
+    let missing = missing(&figures);
+    if peers {
+        let theirs = crate::peers::run(quick, &figures)?;
+        for f in &theirs {
+            println!("{}", f.line());
+        }
+        figures.extend(theirs);
+    }
+    write_report(&figures, quick)?;
+    if !missing.is_empty() {
+        bail!("no figure printed for {}", missing.join(", "));
+    }
+    Ok(())
+}
+
+/// Every figure the workspace's benches print, at any size (the smoke run under
+/// `cargo test` included). The peers' figures are computed here, not printed.
+const EXPECTED: [&str; 23] = [
+    "wire.control_encode_decode",
+    "wire.data_decode_throughput",
+    "wire.data_decode_vs_memcpy_crc32c",
+    "wire.data_encode_vs_memcpy_crc32c",
+    "task.events_per_second_64_tasks",
+    "state.rmw_hot_1000_cached_vs_raw",
+    "state.rmw_uniform_cached_vs_raw",
+    "state.barrier_stall_p99",
+    "state.second_snapshot_manifest",
+    "state.export_8x_vs_1x",
+    "state.sync_snapshot_8x_vs_1x",
+    "backup.upload_vs_copy",
+    "backup.download_vs_copy",
+    "backup.second_upload_bytes_ratio",
+    "engine.throughput_ckpt_1s_vs_off",
+    "engine.stall_p99",
+    "engine.keyed_count_1000_keys",
+    "engine.keyed_count_1000_keys_checkpoint_p99",
+    "engine.upload_vs_state_1pct",
+    "engine.checkpoint_duration_p99_4_tasks",
+    "engine.checkpoint_duration_p99_16_tasks",
+    "engine.checkpoint_duration_p99_64_tasks",
+    "engine.shortest_sustained_interval",
+];
+
+/// The expected figures `figures` lacks.
+pub(crate) fn missing(figures: &[Figure]) -> Vec<&'static str> {
+    EXPECTED
+        .into_iter()
+        .filter(|name| !figures.iter().any(|f| f.name == *name))
+        .collect()
+}
+
+/// Runs `command`, passing its stdout through, and returns the figures it printed.
+pub(crate) fn collect(command: &mut Command) -> Result<Vec<Figure>> {
     eprintln!("xtask: $ {command:?}");
     let mut child = command
         .stdout(Stdio::piped())
         .spawn()
-        .context("cannot start cargo bench")?;
+        .with_context(|| format!("cannot start {command:?}"))?;
     let stdout = child.stdout.take().context("no stdout")?;
     let mut figures = Vec::new();
     for line in BufReader::new(stdout).lines() {
@@ -139,16 +193,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let status = child.wait()?;
     if !status.success() {
-        bail!("cargo bench failed: {status}");
+        bail!("{command:?} failed: {status}");
     }
-    if peers {
-        let theirs = crate::peers::run(quick, &figures)?;
-        for f in &theirs {
-            println!("{}", f.line());
-        }
-        figures.extend(theirs);
-    }
-    write_report(&figures, quick)
+    Ok(figures)
 }
 
 fn write_report(figures: &[Figure], quick: bool) -> Result<()> {
@@ -225,5 +272,19 @@ mod tests {
 
         let f = parse_figure("FIGURE peers.x = 7.5 ratio goal >= 5 (a ÷ b)").unwrap();
         assert_eq!(parse_figure(&f.line()), Some(f));
+    }
+
+    #[test]
+    fn names_the_figures_a_run_did_not_print() {
+        let all: Vec<Figure> = EXPECTED
+            .iter()
+            .map(|name| parse_figure(&format!("FIGURE {name} = 1 ratio")).unwrap())
+            .collect();
+        assert!(missing(&all).is_empty());
+        let without_p9: Vec<Figure> = all
+            .into_iter()
+            .filter(|f| f.name != "state.sync_snapshot_8x_vs_1x")
+            .collect();
+        assert_eq!(missing(&without_p9), ["state.sync_snapshot_8x_vs_1x"]);
     }
 }

@@ -166,9 +166,22 @@ fn torture(args: &[String]) -> Result<()> {
 }
 
 /// Every test of the workspace, built once (dev profile): unit, integration, example,
-/// bench smoke tests, then doctests.
+/// bench smoke tests (which must print every figure of the bench report), then
+/// doctests.
 fn test() -> Result<()> {
-    cargo(&["test", "--workspace", "--all-targets", "--locked"])?;
+    let figures = bench::collect(std::process::Command::new(util::cargo_bin()).args([
+        "test",
+        "--workspace",
+        "--all-targets",
+        "--locked",
+    ]))?;
+    let missing = bench::missing(&figures);
+    if !missing.is_empty() {
+        bail!(
+            "the bench smoke runs printed no figure {}",
+            missing.join(", ")
+        );
+    }
     cargo(&["test", "--workspace", "--doc", "--locked"])
 }
 
