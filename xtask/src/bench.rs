@@ -39,9 +39,7 @@ impl Figure {
             _ => return None,
         })
     }
-}
 
-impl Figure {
     /// The figure as the `FIGURE` line [`parse_figure`] reads.
     pub(crate) fn line(&self) -> String {
         let goal = self
