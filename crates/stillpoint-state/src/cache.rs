@@ -280,6 +280,10 @@ impl CachedState {
         }
         let last_frozen = self.next_seq - 1;
         self.progress.wait_checkpointed(last_frozen)?;
+        // Every frozen map is in RocksDB now and older than the dirty set about to be
+        // spilled over it: none may stay a read tier, or it would shadow the spill.
+        self.release_written();
+        self.retire_written();
         let dirty = std::mem::take(&mut self.dirty);
         self.dirty_bytes = 0;
         let writes: Vec<StoredWrite<'_>> = dirty

@@ -119,6 +119,14 @@ fn all_but_sink(co: &mut Coordinator, now: Time, id: u64, trans: u32) {
     }
 }
 
+/// Both sources of the test dataflow asked for checkpoint `id`.
+fn sources_asked(id: u64) -> Vec<(TaskId, CheckpointId, CheckpointKind)> {
+    vec![
+        (t(1), c(id), CheckpointKind::Checkpoint),
+        (t(2), c(id), CheckpointKind::Checkpoint),
+    ]
+}
+
 #[test]
 fn triggers_on_the_interval() {
     let mut co = coordinator(config());
@@ -126,13 +134,7 @@ fn triggers_on_the_interval() {
     co.handle_timeout(at(999));
     assert_eq!(actions(&mut co), vec![]);
     co.handle_timeout(at(1000));
-    assert_eq!(
-        requests(&actions(&mut co)),
-        vec![
-            (t(1), c(1), CheckpointKind::Checkpoint),
-            (t(2), c(1), CheckpointKind::Checkpoint)
-        ]
-    );
+    assert_eq!(requests(&actions(&mut co)), sources_asked(1));
 }
 
 #[test]
@@ -142,13 +144,7 @@ fn a_requested_checkpoint_comes_at_once_but_within_the_limits() {
     cfg.min_pause = Duration::from_millis(500);
     let mut co = coordinator(cfg);
     co.request_checkpoint(at(10));
-    assert_eq!(
-        requests(&actions(&mut co)),
-        vec![
-            (t(1), c(1), CheckpointKind::Checkpoint),
-            (t(2), c(1), CheckpointKind::Checkpoint)
-        ]
-    );
+    assert_eq!(requests(&actions(&mut co)), sources_asked(1));
     // One in flight already: a second request waits for it.
     co.request_checkpoint(at(20));
     assert_eq!(requests(&actions(&mut co)), vec![]);
