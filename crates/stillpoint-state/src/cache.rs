@@ -3,22 +3,28 @@
 //! Writes land in a dirty map. At a barrier, [`CachedState::snapshot`] swaps the
 //! dirty map for an empty one — O(1), the task's whole stall — and returns a
 //! [`SnapshotJob`] that writes the frozen map as one batch, flushes and creates the
-//! RocksDB checkpoint wherever the caller runs it (the engine: another thread). Reads
-//! go through new-dirty → frozen (newest first) → the newest frozen maps already
-//! written (a read tier while the budget allows) → clean cache → RocksDB, so they see
-//! the latest write at every moment, and the checkpoint of `n` is exactly the state
-//! at barrier `n`.
+//! RocksDB checkpoint wherever the caller runs it (the engine: another thread).
+//!
+//! Reads are one hash probe: beside the dirty map (what changed since the last
+//! barrier, what the export writes and what scans merge) the cache keeps one hash map
+//! of current values — every value written, or read from RocksDB, since it was last
+//! evicted. A read that misses it walks dirty → frozen (newest first) → RocksDB, so it
+//! sees the latest write at every moment, and the checkpoint of `n` is exactly the
+//! state at barrier `n`. Keeping the current values apart from the per-checkpoint
+//! change set is what makes a barrier cost nothing on the read path: a checkpoints-off
+//! run and a checkpointing one serve the same reads from the same map.
 //!
 //! This crate spawns no threads; it shares the database and the frozen maps with the
 //! job (`Arc`), and a spill waits on a condition variable for in-flight jobs to create
 //! their checkpoints, so no post-barrier write can leak into an earlier checkpoint.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use foldhash::HashMap;
 use rocksdb::{DB, FlushOptions};
 use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest};
 
@@ -38,10 +44,100 @@ fn cost(key: &CacheKey, value: Option<&Vec<u8>>) -> usize {
     key.1.len() + value.map_or(0, Vec::len) + 64
 }
 
+type Value = Option<Vec<u8>>;
+
+/// Changes to keyed state not yet in RocksDB. Plain values (an empty field) are
+/// hashed: a keyed aggregate's read-modify-write is two probes, never a walk of an
+/// ordered map comparing long shared key prefixes. Map entries (a non-empty field)
+/// stay ordered, so one key's fields are one range.
+#[derive(Debug, Default)]
+struct Changes {
+    values: HashMap<CacheKey, Value>,
+    entries: BTreeMap<CacheKey, Value>,
+}
+
+/// Whether a stored key addresses a plain value: its field (what follows the key
+/// prefix, see `encode_key`) is empty.
+fn is_plain(stored: &[u8]) -> bool {
+    stored
+        .get(2..6)
+        .and_then(|len| <[u8; 4]>::try_from(len).ok())
+        .is_some_and(|len| (u32::from_be_bytes(len) as usize).checked_add(6) == Some(stored.len()))
+}
+
+/// The stored keys [`CachedState::merged`] overlays.
+#[derive(Clone, Copy)]
+enum Span<'a> {
+    /// Every field of one key: the key prefix and where its fields end.
+    Fields(&'a [u8], &'a [u8]),
+    /// Whole key groups: `lower..upper`.
+    Groups(&'a [u8], &'a [u8]),
+}
+
+impl Changes {
+    fn get(&self, key: &CacheKey) -> Option<&Value> {
+        if is_plain(&key.1) {
+            self.values.get(key)
+        } else {
+            self.entries.get(key)
+        }
+    }
+
+    fn insert(&mut self, key: CacheKey, value: Value) -> Option<Value> {
+        if is_plain(&key.1) {
+            self.values.insert(key, value)
+        } else {
+            self.entries.insert(key, value)
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.values.len() + self.entries.len()
+    }
+
+    /// Every change in key order: what RocksDB's memtable inserts fastest (its skip
+    /// list reuses the previous insert's position), several times faster than hash
+    /// order for a batch of millions of keys.
+    fn sorted(&self) -> impl Iterator<Item = (&CacheKey, &Value)> {
+        let mut plain: Vec<_> = self.values.iter().collect();
+        plain.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        plain.into_iter().chain(&self.entries)
+    }
+
+    /// Overlays this layer's changes of state `id` within `span` on `merged`. A key's
+    /// fields are a range of the ordered entries plus at most its plain value; whole
+    /// key groups also filter every plain value (a scan reads its range of RocksDB
+    /// too, so it is never cheaper than the changes it walks).
+    fn overlay_on(&self, id: u32, span: Span<'_>, merged: &mut BTreeMap<Vec<u8>, Value>) {
+        let (lower, upper) = match span {
+            Span::Fields(prefix, end) => {
+                if let Some(value) = self.values.get(&(id, prefix.to_vec())) {
+                    merged.insert(prefix.to_vec(), value.clone());
+                }
+                (prefix, end)
+            }
+            Span::Groups(lower, upper) => {
+                for ((state, stored), value) in &self.values {
+                    if *state == id && (lower..upper).contains(&stored.as_slice()) {
+                        merged.insert(stored.clone(), value.clone());
+                    }
+                }
+                (lower, upper)
+            }
+        };
+        for ((_, stored), value) in self
+            .entries
+            .range((id, lower.to_vec())..(id, upper.to_vec()))
+        {
+            merged.insert(stored.clone(), value.clone());
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Frozen {
     seq: u64,
-    entries: BTreeMap<CacheKey, Option<Vec<u8>>>,
+    entries: Changes,
     bytes: usize,
 }
 
@@ -91,8 +187,14 @@ impl Progress {
     }
 }
 
-/// Frozen maps kept as a read tier after their batch reached RocksDB.
-const WRITTEN_TIER: usize = 2;
+/// What the cache has let go of and the next snapshot job frees, off the task's path:
+/// dropping a map of millions of entries takes hundreds of milliseconds.
+#[derive(Debug, Default)]
+struct Garbage {
+    frozen: Vec<Arc<Frozen>>,
+    /// Evicted maps of current values; at most one waits when no job runs.
+    current: Option<HashMap<CacheKey, Option<Vec<u8>>>>,
+}
 
 /// Keyed state with a write-back cache; see the module docs.
 #[derive(Debug)]
@@ -100,19 +202,15 @@ pub struct CachedState {
     backend: RocksStateBackend,
     ids: BTreeMap<String, u32>,
     names: Vec<String>,
-    dirty: BTreeMap<CacheKey, Option<Vec<u8>>>,
+    dirty: Changes,
     dirty_bytes: usize,
+    /// Frozen maps whose batch is not yet known to be in RocksDB, oldest first.
     frozen: VecDeque<Arc<Frozen>>,
-    /// Frozen maps already in RocksDB, handed to the next job to free: dropping a
-    /// map of millions of entries takes hundreds of milliseconds, which must not
-    /// happen on the task's path.
-    retired: Vec<Arc<Frozen>>,
-    /// The newest frozen maps already in RocksDB, kept as a read tier while the
-    /// budget allows: without them every key would be read back from RocksDB once
-    /// after each checkpoint (a cost a checkpoints-off run never pays).
-    written: VecDeque<Arc<Frozen>>,
-    clean: HashMap<CacheKey, Option<Vec<u8>>>,
-    clean_bytes: usize,
+    retired: Garbage,
+    /// The current value of every key it holds (`None` = deleted or absent); see the
+    /// module docs. Evicted whole when the budget is exceeded.
+    current: HashMap<CacheKey, Option<Vec<u8>>>,
+    current_bytes: usize,
     budget: usize,
     next_seq: u64,
     progress: Arc<Progress>,
@@ -152,8 +250,8 @@ pub struct SnapshotJob {
     context: ManifestContext,
     progress: Arc<Progress>,
     digests: SharedDigests,
-    /// Frozen maps to free here, off the task's path.
-    retired: Vec<Arc<Frozen>>,
+    /// What the cache let go of, freed here, off the task's path.
+    retired: Garbage,
     done: bool,
 }
 
@@ -166,13 +264,12 @@ impl CachedState {
             backend,
             ids: BTreeMap::new(),
             names: Vec::new(),
-            dirty: BTreeMap::new(),
+            dirty: Changes::default(),
             dirty_bytes: 0,
             frozen: VecDeque::new(),
-            retired: Vec::new(),
-            written: VecDeque::new(),
-            clean: HashMap::new(),
-            clean_bytes: 0,
+            retired: Garbage::default(),
+            current: HashMap::default(),
+            current_bytes: 0,
             budget,
             next_seq: 1,
             progress: Arc::new(Progress::default()),
@@ -191,18 +288,18 @@ impl CachedState {
         &self.backend
     }
 
-    /// Bytes held in memory (dirty, frozen and clean entries).
+    /// Bytes held in memory (dirty, frozen and current values, and what waits to be
+    /// freed).
     #[must_use]
     pub fn memory_bytes(&self) -> usize {
         self.dirty_bytes
             + self
                 .frozen
                 .iter()
-                .chain(&self.retired)
-                .chain(&self.written)
+                .chain(&self.retired.frozen)
                 .map(|f| f.bytes)
                 .sum::<usize>()
-            + self.clean_bytes
+            + self.current_bytes
     }
 
     /// How many times the dirty set spilled to RocksDB between checkpoints.
@@ -225,30 +322,35 @@ impl CachedState {
         self.names.get(id as usize).map_or("", String::as_str)
     }
 
-    /// Moves frozen maps whose batch is in RocksDB to the written read tier, keeping
-    /// its newest [`WRITTEN_TIER`] maps; older ones are retired (freed off the path).
-    fn release_written(&mut self) {
+    /// Lets go of the frozen maps whose batch is in RocksDB: a read that misses the
+    /// current values finds theirs (or newer) in RocksDB.
+    fn release_frozen(&mut self) {
         let written = self.progress.written.load(Ordering::Acquire);
         while self.frozen.front().is_some_and(|f| f.seq <= written) {
             if let Some(frozen) = self.frozen.pop_front() {
-                self.written.push_back(frozen);
-            }
-        }
-        while self.written.len() > WRITTEN_TIER {
-            if let Some(old) = self.written.pop_front() {
-                self.retired.push(old);
+                self.retired.frozen.push(frozen);
             }
         }
     }
 
-    /// Retires the whole written tier (its values may be older than RocksDB's after
-    /// a spill, and its memory is needed).
-    fn retire_written(&mut self) {
-        self.retired.extend(self.written.drain(..));
+    /// Evicts every current value (an O(1) swap; the map is freed by the next job).
+    /// When no job has run since the last eviction, that older map is freed here.
+    fn evict_current(&mut self) {
+        let evicted = std::mem::take(&mut self.current);
+        self.current_bytes = 0;
+        drop(self.retired.current.replace(evicted));
     }
 
-    /// The overlay value of `key`: `Some(v)` if dirty, frozen or the written tier
-    /// knows it (newest first).
+    /// Remembers `value` as the current value of `key`.
+    fn remember(&mut self, key: CacheKey, value: Option<Vec<u8>>) {
+        self.current_bytes += cost(&key, value.as_ref());
+        if let Some(old) = self.current.insert(key.clone(), value) {
+            self.current_bytes -= cost(&key, old.as_ref());
+        }
+    }
+
+    /// The value of `key` in the changes not yet in RocksDB (dirty, then frozen maps
+    /// newest first), if one of them has it.
     fn overlay(&self, key: &CacheKey) -> Option<Option<Vec<u8>>> {
         if let Some(value) = self.dirty.get(key) {
             return Some(value.clone());
@@ -256,7 +358,6 @@ impl CachedState {
         self.frozen
             .iter()
             .rev()
-            .chain(self.written.iter().rev())
             .find_map(|f| f.entries.get(key).cloned())
     }
 
@@ -264,30 +365,25 @@ impl CachedState {
         self.memory_bytes() > self.budget
     }
 
-    /// Evicts clean entries, then spills the dirty set if it alone is over half the
-    /// budget. A spill first waits for in-flight snapshot jobs to create their
+    /// Evicts the current values, then spills the dirty set if it alone is over half
+    /// the budget. A spill first waits for in-flight snapshot jobs to create their
     /// checkpoints: the spilled writes come after their barriers.
     fn make_room(&mut self) -> Result<(), StateError> {
-        self.release_written();
+        self.release_frozen();
         if !self.over_budget() {
             return Ok(());
         }
-        self.clean.clear();
-        self.clean_bytes = 0;
-        self.retire_written();
+        self.evict_current();
         if self.dirty_bytes <= self.budget / 2 {
             return Ok(());
         }
         let last_frozen = self.next_seq - 1;
         self.progress.wait_checkpointed(last_frozen)?;
-        // Every frozen map is in RocksDB now and older than the dirty set about to be
-        // spilled over it: none may stay a read tier, or it would shadow the spill.
-        self.release_written();
-        self.retire_written();
+        self.release_frozen();
         let dirty = std::mem::take(&mut self.dirty);
         self.dirty_bytes = 0;
         let writes: Vec<StoredWrite<'_>> = dirty
-            .iter()
+            .sorted()
             .map(|((id, key), value)| (self.name(*id), key.as_slice(), value.as_deref()))
             .collect();
         self.backend.write_stored(writes)?;
@@ -300,7 +396,7 @@ impl CachedState {
     /// (an O(1) swap) and return the job that exports it into `dir` (which must not
     /// exist yet).
     pub fn snapshot(&mut self, checkpoint: CheckpointId, dir: impl AsRef<Path>) -> SnapshotJob {
-        self.release_written();
+        self.release_frozen();
         let seq = self.next_seq;
         self.next_seq += 1;
         let frozen = Arc::new(Frozen {
@@ -330,14 +426,10 @@ impl CachedState {
         }
     }
 
-    /// Stored keys of `state` in `lower..upper` with their current values: RocksDB,
+    /// Stored keys of `state` within `span` with their current values: RocksDB,
     /// overlaid by the frozen maps (oldest first) and the dirty map; `None` = deleted.
-    fn merged(
-        &self,
-        state: &str,
-        lower: &[u8],
-        upper: &[u8],
-    ) -> Result<BTreeMap<Vec<u8>, Option<Vec<u8>>>, StateError> {
+    fn merged(&self, state: &str, span: Span<'_>) -> Result<BTreeMap<Vec<u8>, Value>, StateError> {
+        let (Span::Fields(lower, upper) | Span::Groups(lower, upper)) = span;
         let mut merged = BTreeMap::new();
         self.backend
             .scan_stored(state, lower, upper, &mut |stored, value| {
@@ -345,16 +437,13 @@ impl CachedState {
                 true
             })?;
         if let Some(id) = self.ids.get(state) {
-            let range = (*id, lower.to_vec())..(*id, upper.to_vec());
             for layer in self
                 .frozen
                 .iter()
                 .map(|f| &f.entries)
                 .chain(std::iter::once(&self.dirty))
             {
-                for ((_, stored), value) in layer.range(range.clone()) {
-                    merged.insert(stored.clone(), value.clone());
-                }
+                layer.overlay_on(*id, span, &mut merged);
             }
         }
         Ok(merged)
@@ -369,7 +458,7 @@ impl CachedState {
 impl KeyedState for CachedState {
     fn get(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
         match self.lookup(state, key, field)? {
-            Lookup::Known(value) => Ok(value),
+            Lookup::Current(value) | Lookup::Changed(_, value) => Ok(value),
             Lookup::Miss(cache_key) => self.backend.get_stored(state, &cache_key.1),
         }
     }
@@ -386,9 +475,7 @@ impl KeyedState for CachedState {
         }
         for (w, stored) in batch.writes.into_iter().zip(encoded) {
             let key = (self.id(&w.state), stored);
-            if let Some(old) = self.clean.remove(&key) {
-                self.clean_bytes -= cost(&key, old.as_ref());
-            }
+            self.remember(key.clone(), w.value.clone());
             let added = cost(&key, w.value.as_ref());
             if let Some(old) = self.dirty.insert(key.clone(), w.value) {
                 self.dirty_bytes -= cost(&key, old.as_ref());
@@ -402,7 +489,7 @@ impl KeyedState for CachedState {
         let lower = key_prefix(self.backend.owned_group(key)?, key);
         let upper = prefix_end(&lower);
         Ok(self
-            .merged(state, &lower, &upper)?
+            .merged(state, Span::Fields(&lower, &upper))?
             .into_iter()
             .filter_map(|(stored, value)| Some((stored.get(lower.len()..)?.to_vec(), value?)))
             .collect())
@@ -415,7 +502,7 @@ impl KeyedState for CachedState {
         visit: &mut ScanVisitor<'_>,
     ) -> Result<(), StateError> {
         let (lower, upper) = group_bounds(groups);
-        for (stored, value) in self.merged(state, &lower, &upper)? {
+        for (stored, value) in self.merged(state, Span::Groups(&lower, &upper))? {
             if let (Some((_, key, field)), Some(value)) = (decode_key(&stored), value) {
                 if !visit(key, field, &value) {
                     break;
@@ -427,21 +514,23 @@ impl KeyedState for CachedState {
 }
 
 impl CachedState {
-    /// [`KeyedState::get`], remembering the value read from RocksDB in the clean cache
-    /// so the next read of a hot key is served from memory.
+    /// [`KeyedState::get`], remembering a value it had to look for (in the changes
+    /// or in RocksDB) among the current values, so the next read is one hash probe.
     pub fn get_cached(
         &mut self,
         state: &str,
         key: &[u8],
         field: &[u8],
     ) -> Result<Option<Vec<u8>>, StateError> {
-        let cache_key = match self.lookup(state, key, field)? {
-            Lookup::Known(value) => return Ok(value),
-            Lookup::Miss(cache_key) => cache_key,
+        let (cache_key, value) = match self.lookup(state, key, field)? {
+            Lookup::Current(value) => return Ok(value),
+            Lookup::Changed(cache_key, value) => (cache_key, value),
+            Lookup::Miss(cache_key) => {
+                let value = self.backend.get_stored(state, &cache_key.1)?;
+                (cache_key, value)
+            }
         };
-        let value = self.backend.get_stored(state, &cache_key.1)?;
-        self.clean_bytes += cost(&cache_key, value.as_ref());
-        self.clean.insert(cache_key, value.clone());
+        self.remember(cache_key, value.clone());
         if self.over_budget() {
             self.make_room()?;
         }
@@ -452,21 +541,26 @@ impl CachedState {
     fn lookup(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Lookup, StateError> {
         let group = self.backend.owned_group(key)?;
         let Some(id) = self.ids.get(state) else {
-            return Ok(Lookup::Known(None)); // a state never written has no values
+            return Ok(Lookup::Current(None)); // a state never written has no values
         };
         let cache_key = (*id, encode_key(group, key, field));
-        if let Some(value) = self.overlay(&cache_key) {
-            return Ok(Lookup::Known(value));
+        if let Some(value) = self.current.get(&cache_key) {
+            return Ok(Lookup::Current(value.clone()));
         }
-        match self.clean.get(&cache_key) {
-            Some(value) => Ok(Lookup::Known(value.clone())),
-            None => Ok(Lookup::Miss(cache_key)),
-        }
+        Ok(match self.overlay(&cache_key) {
+            Some(value) => Lookup::Changed(cache_key, value),
+            None => Lookup::Miss(cache_key),
+        })
     }
 }
 
+/// Where a read found its value.
 enum Lookup {
-    Known(Option<Vec<u8>>),
+    /// Among the current values.
+    Current(Option<Vec<u8>>),
+    /// In a change not yet in RocksDB (the current values had been evicted).
+    Changed(CacheKey, Option<Vec<u8>>),
+    /// Nowhere in memory: RocksDB has it.
     Miss(CacheKey),
 }
 
@@ -489,7 +583,7 @@ impl SnapshotJob {
 
     fn write_batch(&self) -> Result<Duration, StateError> {
         let started = Instant::now();
-        let writes = self.frozen.entries.iter().map(|((id, stored), value)| {
+        let writes = self.frozen.entries.sorted().map(|((id, stored), value)| {
             (
                 self.names.get(*id as usize).map_or("", String::as_str),
                 stored.as_slice(),
@@ -526,8 +620,8 @@ impl SnapshotJob {
         self.done = true;
         let seq = self.frozen.seq;
         let result = self.export(seq);
-        // Free the retired frozen maps here, on the exporting thread.
-        self.retired.clear();
+        // Free what the cache let go of here, on the exporting thread.
+        self.retired = Garbage::default();
         match &result {
             Ok(_) => {}
             Err(e) => self
@@ -562,7 +656,7 @@ impl SnapshotJob {
     /// aborted before its export started). The data still reaches RocksDB.
     pub fn discard(mut self) -> Result<(), StateError> {
         self.done = true;
-        self.retired.clear();
+        self.retired = Garbage::default();
         self.write_without_checkpoint()
     }
 

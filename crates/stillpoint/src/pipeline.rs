@@ -151,7 +151,7 @@ impl Operator for KeyedCount {
         state: &mut CachedState,
         out: &mut Vec<Record>,
     ) -> Result<(), EngineError> {
-        let count = match state.get(COUNTS, &record.key, &[])? {
+        let count = match state.get_cached(COUNTS, &record.key, &[])? {
             None => 0,
             Some(bytes) => u64::from_be_bytes(bytes.as_slice().try_into().map_err(|_| {
                 EngineError::Invalid(format!(
