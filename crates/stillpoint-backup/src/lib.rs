@@ -29,7 +29,7 @@
 //! store.commit(&CheckpointManifest {
 //!     stream: StreamId(1), checkpoint: CheckpointId(1), trans: TransId(1),
 //!     kind: CheckpointKind::Checkpoint, created_at_millis: 0, max_parallelism: 128,
-//!     tasks: vec![uploaded.reference], sources: vec![],
+//!     tasks: vec![uploaded.reference], sources: vec![], stages: vec![],
 //! }, &lease).await?;
 //!
 //! let latest = store.latest_verified(VerifyDepth::Content).await?.expect("one checkpoint");

@@ -103,6 +103,16 @@ pub enum ManifestError {
     /// A source offset for a task the manifest does not list.
     #[error("source {0} has an offset but no task snapshot")]
     UnknownSource(TaskId),
+    /// A task outside the recorded stages, or a stage without tasks.
+    #[error("{task} does not fit the recorded stages {stages:?} (tasks 1..={total})")]
+    OutsideStages {
+        /// The task that does not fit (task 0 when a stage has parallelism 0).
+        task: TaskId,
+        /// The recorded parallelism per stage.
+        stages: Vec<u32>,
+        /// How many tasks those stages have.
+        total: u64,
+    },
     /// The document could not be serialized (a bug: these types always serialize).
     #[error("manifest could not be serialized: {0}")]
     Encode(String),
@@ -264,6 +274,11 @@ pub struct CheckpointManifest {
     pub tasks: Vec<TaskSnapshotRef>,
     /// Every source's offset, each source a listed task.
     pub sources: Vec<SourcePosition>,
+    /// The dataflow's parallelism per stage, in stage order (its tasks are numbered
+    /// from 1 stage by stage): what a restore with other parallelisms maps the old
+    /// tasks by. Empty when the writer recorded none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<u32>,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -331,6 +346,8 @@ struct CheckpointManifestDoc {
     max_parallelism: u32,
     tasks: Vec<TaskSnapshotRefDoc>,
     sources: Vec<SourcePosition>,
+    #[serde(default)]
+    stages: Vec<u32>,
 }
 
 fn malformed(part: &'static str, error: &serde_json::Error) -> ManifestError {
@@ -514,19 +531,35 @@ impl CheckpointManifest {
             max_parallelism: doc.max_parallelism,
             tasks,
             sources: doc.sources,
+            stages: doc.stages,
         };
         manifest.validate()?;
         Ok(manifest)
     }
 
     /// Checks the rules a parsed manifest obeys: each task listed once, each source
-    /// offset once and for a listed task, a non-zero maximum parallelism.
+    /// offset once and for a listed task, a non-zero maximum parallelism, and — when
+    /// stages are recorded — no empty stage and every task within them.
     pub fn validate(&self) -> Result<(), ManifestError> {
         KeyGroupRange { start: 0, end: 0 }.check(self.max_parallelism)?;
+        let total: u64 = self.stages.iter().map(|p| u64::from(*p)).sum();
+        let outside = |task| ManifestError::OutsideStages {
+            task,
+            stages: self.stages.clone(),
+            total,
+        };
+        if self.stages.contains(&0) {
+            return Err(outside(TaskId(0)));
+        }
         let mut tasks = BTreeSet::new();
         for task in &self.tasks {
             if !tasks.insert(task.task) {
                 return Err(ManifestError::DuplicateTask(task.task));
+            }
+            if !self.stages.is_empty()
+                && (task.task.get() == 0 || u64::from(task.task.get()) > total)
+            {
+                return Err(outside(task.task));
             }
         }
         let mut sources = BTreeSet::new();
@@ -551,6 +584,21 @@ impl CheckpointManifest {
     #[must_use]
     pub fn state_bytes(&self) -> u64 {
         self.tasks.iter().map(|task| task.state_bytes).sum()
+    }
+
+    /// The stage of each task and its index within the stage, from [`Self::stages`]
+    /// (`None` when none were recorded).
+    #[must_use]
+    pub fn stage_of(&self, task: TaskId) -> Option<(usize, u32)> {
+        let mut first = 1_u64;
+        for (stage, parallelism) in self.stages.iter().enumerate() {
+            let id = u64::from(task.get());
+            if (first..first + u64::from(*parallelism)).contains(&id) {
+                return Some((stage, u32::try_from(id - first).ok()?));
+            }
+            first += u64::from(*parallelism);
+        }
+        None
     }
 
     /// The recorded offset of source `task`.

@@ -273,6 +273,12 @@ fn checkpoint_body(tasks: &str, sources: &str) -> String {
     )
 }
 
+/// `body` with the dataflow's stages recorded.
+fn with_stages(body: &str, stages: &str) -> String {
+    let open = body.strip_suffix('}').unwrap();
+    format!(r#"{open},"stages":{stages}}}"#)
+}
+
 fn task_ref(task: u32, manifest: &str) -> String {
     format!(
         r#"{{"task":{task},"node":1,"manifest":"{manifest}","sha256":"{DIGEST}","state_bytes":10}}"#
@@ -366,6 +372,9 @@ fn malformed_checkpoint_manifests_give_exact_errors() {
         ("offset not hex", seal(CKPT_FORMAT, 1, &not_hex), Err(ManifestError::Malformed { part: "body", line: 1, column: column_after(&not_hex, r#""zz"}"#), message: "invalid hex character 'z' at index 0".into() })),
         ("unknown checkpoint kind", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, "").replace(r#""checkpoint","#, r#""snapshot","#)), Err(ManifestError::Malformed { part: "body", line: 1, column: 54, message: "unknown variant `snapshot`, expected `checkpoint` or `savepoint`".into() })),
         ("zero max parallelism", seal(CKPT_FORMAT, 1, &checkpoint_body(&tasks, "").replace(r#""max_parallelism":128"#, r#""max_parallelism":0"#)), Err(ManifestError::InvalidKeyGroups { start: 0, end: 0, max_parallelism: 0 })),
+        ("stages recorded", seal(CKPT_FORMAT, 1, &with_stages(&checkpoint_body(&tasks, ""), "[1,1]")), Ok(())),
+        ("task beyond the stages", seal(CKPT_FORMAT, 1, &with_stages(&checkpoint_body(&tasks, ""), "[1]")), Err(ManifestError::OutsideStages { task: TaskId(2), stages: vec![1], total: 1 })),
+        ("empty stage", seal(CKPT_FORMAT, 1, &with_stages(&checkpoint_body(&tasks, ""), "[2,0]")), Err(ManifestError::OutsideStages { task: TaskId(0), stages: vec![2, 0], total: 2 })),
     ];
     for (name, input, expected) in cases {
         check_checkpoint(name, input, expected);

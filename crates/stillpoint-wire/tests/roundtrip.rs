@@ -330,6 +330,7 @@ fn checkpoint_manifest() -> impl Strategy<Value = CheckpointManifest> {
                     max_parallelism: max,
                     tasks,
                     sources,
+                    stages: Vec::new(),
                 }
             },
         )

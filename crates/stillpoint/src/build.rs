@@ -1,4 +1,4 @@
-//! Building a job's tasks: the word count's topology and where each task runs, the
+//! Building a job's tasks: the dataflow's topology and where each task runs, the
 //! restore point's snapshots a set of tasks needs (rescaled when the parallelism
 //! changed), and spawning one task — state restored or opened, source positioned,
 //! sink recovered — with its driver and export threads.
@@ -17,82 +17,160 @@ use stillpoint_wire::{
     CheckpointId, CheckpointManifest, Message, NodeId, SnapshotManifest, TaskId,
 };
 
+use crate::dataflow::StageKind;
 use crate::driver::{ExportJob, ExportOutcome, Partitioner, Role, TaskDriver, export_loop};
 use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Links};
-use crate::{EngineError, JobConfig, KeyedCount, TransactionalFileSink, WordCount};
+use crate::{Dataflow, EngineError, JobConfig, Partitioning};
 
-/// The word count's tasks: sources `1..=s`, counters next, then one sink per counter.
-#[derive(Clone, Debug)]
+/// One stage's tasks: ids `first..first + parallelism`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StageTasks {
+    first: u32,
+    parallelism: u32,
+    input: Partitioning,
+    level: TaskLevel,
+}
+
+impl StageTasks {
+    fn tasks(&self) -> impl Iterator<Item = TaskId> + '_ {
+        (self.first..self.first + self.parallelism).map(TaskId)
+    }
+
+    fn task(&self, index: u32) -> Option<TaskId> {
+        (index < self.parallelism).then(|| TaskId(self.first + index))
+    }
+}
+
+/// A dataflow's tasks, numbered from 1 stage by stage, and its edges.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Topology {
+    stages: Vec<StageTasks>,
     pub(crate) sources: Vec<TaskId>,
-    pub(crate) aggregators: Vec<TaskId>,
-    pub(crate) sinks: Vec<TaskId>,
 }
 
 impl Topology {
-    pub(crate) fn new(sources: u32, aggregators: u32) -> Self {
-        let ids = |from: u32, n: u32| (from..from + n).map(TaskId).collect::<Vec<_>>();
-        Self {
-            sources: ids(1, sources),
-            aggregators: ids(1 + sources, aggregators),
-            sinks: ids(1 + sources + aggregators, aggregators),
+    /// Stages of these parallelisms fed through these partitionings (the first
+    /// stage's is ignored).
+    fn from_shape(parallelisms: &[u32], inputs: &[Partitioning]) -> Self {
+        let last = parallelisms.len().saturating_sub(1);
+        let mut first = 1;
+        let mut stages = Vec::new();
+        for (index, (parallelism, input)) in parallelisms.iter().zip(inputs).enumerate() {
+            let level = match index {
+                0 => TaskLevel::Source,
+                i if i == last => TaskLevel::Sink,
+                _ => TaskLevel::Aggregate,
+            };
+            stages.push(StageTasks {
+                first,
+                parallelism: *parallelism,
+                input: *input,
+                level,
+            });
+            first += parallelism;
         }
+        let sources = stages
+            .first()
+            .map(|s| s.tasks().collect())
+            .unwrap_or_default();
+        Self { stages, sources }
     }
 
-    pub(crate) fn of(job: &WordCount) -> Self {
-        Self::new(job.sources, job.aggregators)
+    pub(crate) fn of(flow: &Dataflow) -> Self {
+        let inputs: Vec<Partitioning> = flow.stages.iter().map(|s| s.input).collect();
+        Self::from_shape(&flow.parallelisms(), &inputs)
     }
 
-    /// The topology a checkpoint was taken with (its task and source counts).
-    fn of_checkpoint(manifest: &CheckpointManifest) -> Self {
-        let sources = u32::try_from(manifest.sources.len()).unwrap_or(u32::MAX);
-        let rest = u32::try_from(manifest.tasks.len()).unwrap_or(u32::MAX);
-        Self::new(sources, rest.saturating_sub(sources) / 2)
+    /// The topology a checkpoint was taken with: its recorded stages with this
+    /// dataflow's partitionings (a restore may change parallelisms, not the chain),
+    /// or for a checkpoint that recorded none, the word count's three stages.
+    fn of_checkpoint(&self, manifest: &CheckpointManifest) -> Result<Self, EngineError> {
+        let inputs: Vec<Partitioning> = self.stages.iter().map(|s| s.input).collect();
+        let stages = if manifest.stages.is_empty() {
+            let sources = u32::try_from(manifest.sources.len()).unwrap_or(u32::MAX);
+            let rest = u32::try_from(manifest.tasks.len()).unwrap_or(u32::MAX);
+            let counters = rest.saturating_sub(sources) / 2;
+            vec![sources, counters, counters]
+        } else {
+            manifest.stages.clone()
+        };
+        if stages.len() != inputs.len() {
+            return Err(EngineError::Invalid(format!(
+                "checkpoint {} was taken with {} stages, the dataflow has {}: a restore may change parallelisms, not the stages",
+                manifest.checkpoint,
+                stages.len(),
+                inputs.len()
+            )));
+        }
+        Ok(Self::from_shape(&stages, &inputs))
+    }
+
+    /// The parallelism of each stage.
+    pub(crate) fn parallelisms(&self) -> Vec<u32> {
+        self.stages.iter().map(|s| s.parallelism).collect()
     }
 
     pub(crate) fn all(&self) -> Vec<TaskId> {
-        self.sources
-            .iter()
-            .chain(&self.aggregators)
-            .chain(&self.sinks)
-            .copied()
-            .collect()
+        self.stages.iter().flat_map(StageTasks::tasks).collect()
     }
 
-    /// Every data edge `(upstream, downstream)`: sources to every counter (hash by key
-    /// group), each counter to its sink (forward).
+    /// The stage of `task` and its index within the stage.
+    pub(crate) fn position(&self, task: TaskId) -> Option<(usize, u32)> {
+        self.stages.iter().enumerate().find_map(|(stage, tasks)| {
+            let index = task.get().checked_sub(tasks.first)?;
+            (index < tasks.parallelism).then_some((stage, index))
+        })
+    }
+
+    /// The downstreams of `task` and how its output is spread over them.
+    pub(crate) fn downstreams(
+        &self,
+        task: TaskId,
+        groups: KeyGroups,
+    ) -> Result<(Vec<TaskId>, Partitioner), EngineError> {
+        let Some((stage, index)) = self.position(task) else {
+            return Ok((Vec::new(), Partitioner::Forward));
+        };
+        let Some(next) = self.stages.get(stage + 1) else {
+            return Ok((Vec::new(), Partitioner::Forward));
+        };
+        Ok(match next.input {
+            Partitioning::Forward => (next.task(index).into_iter().collect(), Partitioner::Forward),
+            Partitioning::Hash => (
+                next.tasks().collect(),
+                Partitioner::by_key_group(groups, next.parallelism)?,
+            ),
+            Partitioning::Broadcast => (next.tasks().collect(), Partitioner::Broadcast),
+        })
+    }
+
+    /// Every data edge `(upstream, downstream)`.
     pub(crate) fn edges(&self) -> Vec<(TaskId, TaskId)> {
         let mut edges = Vec::new();
-        for source in &self.sources {
-            for aggregator in &self.aggregators {
-                edges.push((*source, *aggregator));
+        for pair in self.stages.windows(2) {
+            let [up, down] = pair else { continue };
+            match down.input {
+                Partitioning::Forward => edges.extend(up.tasks().zip(down.tasks())),
+                Partitioning::Hash | Partitioning::Broadcast => {
+                    for from in up.tasks() {
+                        edges.extend(down.tasks().map(|to| (from, to)));
+                    }
+                }
             }
-        }
-        for (aggregator, sink) in self.aggregators.iter().zip(&self.sinks) {
-            edges.push((*aggregator, *sink));
         }
         edges
     }
 
     pub(crate) fn level(&self, task: TaskId) -> TaskLevel {
-        if self.sources.contains(&task) {
-            TaskLevel::Source
-        } else if self.aggregators.contains(&task) {
-            TaskLevel::Aggregate
-        } else {
-            TaskLevel::Sink
-        }
+        self.position(task)
+            .and_then(|(stage, _)| self.stages.get(stage))
+            .map_or(TaskLevel::Sink, |s| s.level)
     }
 
     /// The task's index within its stage.
     fn index(&self, task: TaskId) -> u32 {
-        let stage = match self.level(task) {
-            TaskLevel::Source => &self.sources,
-            TaskLevel::Aggregate => &self.aggregators,
-            TaskLevel::Sink => &self.sinks,
-        };
-        u32::try_from(stage.iter().position(|t| *t == task).unwrap_or(0)).unwrap_or(0)
+        self.position(task).map_or(0, |(_, index)| index)
     }
 
     /// The node a task runs on, of `nodes` (round robin by task id, so every stage
@@ -101,18 +179,63 @@ impl Topology {
         NodeId((task.get().saturating_sub(1)) % nodes.max(1) + 1)
     }
 
+    /// The key groups `task` owns: all for sources and broadcast stages, its share
+    /// of a hash-fed stage, its upstream's for a forward-fed one.
     fn key_group_range(
         &self,
         groups: KeyGroups,
         task: TaskId,
     ) -> Result<stillpoint_wire::KeyGroupRange, EngineError> {
-        let parallelism = u32::try_from(self.aggregators.len()).unwrap_or(u32::MAX);
-        Ok(match self.level(task) {
-            TaskLevel::Source => groups.all(),
-            TaskLevel::Aggregate | TaskLevel::Sink => {
-                groups.range_of(parallelism, self.index(task))?
+        let Some((mut stage, index)) = self.position(task) else {
+            return Ok(groups.all());
+        };
+        loop {
+            let Some(tasks) = self.stages.get(stage) else {
+                return Ok(groups.all());
+            };
+            match (stage, tasks.input) {
+                (0, _) | (_, Partitioning::Broadcast) => return Ok(groups.all()),
+                (_, Partitioning::Hash) => return Ok(groups.range_of(tasks.parallelism, index)?),
+                (_, Partitioning::Forward) => stage -= 1,
             }
-        })
+        }
+    }
+
+    /// The old tasks (of `old`, this dataflow as a checkpoint recorded it) whose
+    /// snapshots `task` restores from: a source its own (sources cannot be rescaled:
+    /// their offsets are per task), a keyed task every old task of its stage whose
+    /// key groups overlap its own, a broadcast task the old stage's first task.
+    fn restores_from(
+        &self,
+        old: &Self,
+        groups: KeyGroups,
+        task: TaskId,
+    ) -> Result<Vec<TaskId>, EngineError> {
+        let Some((stage, _)) = self.position(task) else {
+            return Ok(Vec::new());
+        };
+        let (Some(new_stage), Some(old_stage)) = (self.stages.get(stage), old.stages.get(stage))
+        else {
+            return Ok(Vec::new());
+        };
+        if stage == 0 {
+            return Ok(vec![task]);
+        }
+        if new_stage.input == Partitioning::Broadcast {
+            return Ok(old_stage.task(0).into_iter().collect());
+        }
+        let range = self.key_group_range(groups, task)?;
+        let mut from = Vec::new();
+        for old_task in old_stage.tasks() {
+            if old
+                .key_group_range(groups, old_task)?
+                .intersection(&range)
+                .is_some()
+            {
+                from.push(old_task);
+            }
+        }
+        Ok(from)
     }
 }
 
@@ -126,12 +249,12 @@ pub(crate) struct Restore {
 }
 
 impl Restore {
-    /// Whether the checkpoint was taken with this topology (every task restores its
-    /// own snapshot); otherwise the counters are rescaled by key group.
+    /// Whether the checkpoint was taken with this topology's parallelisms (every task
+    /// restores its own snapshot); otherwise keyed stages are rescaled by key group.
     pub(crate) fn same_shape(&self, topology: &Topology) -> bool {
-        let old = Topology::of_checkpoint(&self.manifest);
-        old.sources.len() == topology.sources.len()
-            && old.aggregators.len() == topology.aggregators.len()
+        topology
+            .of_checkpoint(&self.manifest)
+            .is_ok_and(|old| old.parallelisms() == topology.parallelisms())
     }
 }
 
@@ -142,39 +265,21 @@ pub(crate) fn snapshots_needed(
     tasks: &[TaskId],
     groups: KeyGroups,
 ) -> Result<Vec<TaskId>, EngineError> {
-    let old = Topology::of_checkpoint(manifest);
+    let old = topology.of_checkpoint(manifest)?;
     if old.sources.len() != topology.sources.len() {
         return Err(EngineError::Invalid(format!(
-            "checkpoint {} was taken with {} sources, the job has {}: only the counters' parallelism can change on restore",
+            "checkpoint {} was taken with {} sources, the job has {}: a source stage's parallelism cannot change on restore (its offsets are per task)",
             manifest.checkpoint,
             old.sources.len(),
             topology.sources.len()
         )));
     }
-    if old.aggregators.len() == topology.aggregators.len() {
+    if old.parallelisms() == topology.parallelisms() {
         return Ok(tasks.to_vec());
     }
-    // Rescale: counters restore from every old counter whose key groups overlap.
     let mut needed = BTreeSet::new();
     for task in tasks {
-        match topology.level(*task) {
-            TaskLevel::Source => {
-                needed.insert(*task);
-            }
-            TaskLevel::Aggregate => {
-                let range = topology.key_group_range(groups, *task)?;
-                for reference in &manifest.tasks {
-                    if old.aggregators.contains(&reference.task) {
-                        let old_range = old.key_group_range(groups, reference.task)?;
-                        if old_range.intersection(&range).is_some() {
-                            needed.insert(reference.task);
-                        }
-                    }
-                }
-            }
-            // Sinks keep no keyed state: they start empty.
-            TaskLevel::Sink => {}
-        }
+        needed.extend(topology.restores_from(&old, groups, *task)?);
     }
     Ok(needed.into_iter().collect())
 }
@@ -285,7 +390,7 @@ pub(crate) struct Spawned {
 /// What every task of one process is built from.
 pub(crate) struct Builder<'a> {
     pub(crate) config: &'a JobConfig,
-    pub(crate) job: &'a WordCount,
+    pub(crate) flow: &'a Dataflow,
     pub(crate) topology: &'a Topology,
     pub(crate) groups: KeyGroups,
     pub(crate) store: &'a Store,
@@ -331,26 +436,14 @@ impl Builder<'_> {
                 ))),
             };
         }
-        let sources: Vec<(PathBuf, SnapshotManifest)> = match self.topology.level(task) {
-            TaskLevel::Sink => Vec::new(),
-            TaskLevel::Source => restore
-                .downloads
-                .get(&task)
-                .map(|(m, d)| (d.clone(), m.clone()))
-                .into_iter()
-                .collect(),
-            TaskLevel::Aggregate => {
-                let old_counters = Topology::of_checkpoint(&restore.manifest).aggregators;
-                restore
-                    .downloads
-                    .iter()
-                    .filter(|(old, (m, _))| {
-                        old_counters.contains(old) && m.key_groups.intersection(&range).is_some()
-                    })
-                    .map(|(_, (m, d))| (d.clone(), m.clone()))
-                    .collect()
-            }
-        };
+        let old = self.topology.of_checkpoint(&restore.manifest)?;
+        let sources: Vec<(PathBuf, SnapshotManifest)> = self
+            .topology
+            .restores_from(&old, self.groups, task)?
+            .iter()
+            .filter_map(|old_task| restore.downloads.get(old_task))
+            .map(|(m, d)| (d.clone(), m.clone()))
+            .collect();
         if sources.is_empty() {
             return Ok(fresh(state)?);
         }
@@ -372,22 +465,7 @@ impl Builder<'_> {
         failures: Sender<CoordinatorInput>,
     ) -> Result<Spawned, EngineError> {
         let level = self.topology.level(task);
-        let (downstreams, partitioner) = match level {
-            TaskLevel::Source => (
-                self.topology.aggregators.clone(),
-                Partitioner::by_key_group(self.groups, self.job.aggregators)?,
-            ),
-            TaskLevel::Aggregate => (
-                self.topology
-                    .sinks
-                    .get(self.topology.index(task) as usize)
-                    .copied()
-                    .into_iter()
-                    .collect(),
-                Partitioner::Forward,
-            ),
-            TaskLevel::Sink => (Vec::new(), Partitioner::Forward),
-        };
+        let (downstreams, partitioner) = self.topology.downstreams(task, self.groups)?;
         let upstreams: Vec<TaskId> = wiring.inputs.iter().map(|(u, _)| *u).collect();
         let state = CachedState::new(self.state(task)?);
         let restored = self.restore.map(|r| RestoredCheckpoint {
@@ -396,17 +474,25 @@ impl Builder<'_> {
             kind: r.manifest.kind,
             source_offset: r.manifest.source_offset(task).cloned(),
         });
-        let role = match level {
-            TaskLevel::Source => {
-                let mut source = self.job.source(self.topology.index(task))?;
+        let index = self.topology.index(task);
+        let stage = self
+            .topology
+            .position(task)
+            .and_then(|(stage, _)| self.flow.stages.get(stage))
+            .ok_or_else(|| {
+                EngineError::Invalid(format!("{task} is in no stage of the dataflow"))
+            })?;
+        let role = match &stage.kind {
+            StageKind::Source(factory) => {
+                let mut source = factory(index)?;
                 source.seek(restored.as_ref().and_then(|r| r.source_offset.as_ref()))?;
                 Role::Source(source)
             }
-            TaskLevel::Aggregate => Role::Operator(Box::new(KeyedCount)),
-            TaskLevel::Sink => {
-                let mut sink = TransactionalFileSink::new(&self.job.output, task);
-                crate::Sink::recover(&mut sink, restored.as_ref().map(|r| r.checkpoint))?;
-                Role::Sink(Box::new(sink))
+            StageKind::Operator(factory) => Role::Operator(factory(index)?),
+            StageKind::Sink(factory) => {
+                let mut sink = factory.create(task)?;
+                sink.recover(restored.as_ref().map(|r| r.checkpoint))?;
+                Role::Sink(sink)
             }
         };
         let task_config = TaskConfig::new(self.config.stream, task, self.node, level)
@@ -495,3 +581,82 @@ pub(crate) fn join_all(spawned: Vec<Spawned>) -> Option<EngineError> {
 
 /// Shared control channels of the tasks in one process.
 pub(crate) type ControlMap = Arc<BTreeMap<TaskId, Sender<Message>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topology(parallelisms: &[u32], inputs: &[Partitioning]) -> Topology {
+        Topology::from_shape(parallelisms, inputs)
+    }
+
+    const CHAIN: [Partitioning; 4] = [
+        Partitioning::Forward,
+        Partitioning::Hash,
+        Partitioning::Broadcast,
+        Partitioning::Forward,
+    ];
+
+    #[test]
+    fn stages_number_their_tasks_and_join_by_their_partitioning() {
+        let t = topology(&[2, 3, 2, 2], &CHAIN);
+        assert_eq!(t.all(), (1..=9).map(TaskId).collect::<Vec<_>>());
+        assert_eq!(t.sources, vec![TaskId(1), TaskId(2)]);
+        let edges = t.edges();
+        // Hash and broadcast are all-to-all, forward is one-to-one.
+        assert_eq!(edges.len(), 2 * 3 + 3 * 2 + 2);
+        assert!(edges.contains(&(TaskId(6), TaskId(8))));
+        assert!(edges.contains(&(TaskId(7), TaskId(9))));
+        assert!(!edges.contains(&(TaskId(6), TaskId(9))));
+        assert_eq!(t.level(TaskId(2)), TaskLevel::Source);
+        assert_eq!(t.level(TaskId(6)), TaskLevel::Aggregate);
+        assert_eq!(t.level(TaskId(9)), TaskLevel::Sink);
+        let groups = KeyGroups::new(12).unwrap();
+        let (down, partitioner) = t.downstreams(TaskId(4), groups).unwrap();
+        assert_eq!(down, vec![TaskId(6), TaskId(7)]);
+        assert!(matches!(partitioner, Partitioner::Broadcast));
+        let (down, _) = t.downstreams(TaskId(7), groups).unwrap();
+        assert_eq!(down, vec![TaskId(9)]);
+        assert!(t.downstreams(TaskId(9), groups).unwrap().0.is_empty());
+    }
+
+    #[test]
+    fn key_groups_follow_the_input_and_rescale_restores_by_overlap() {
+        let groups = KeyGroups::new(12).unwrap();
+        // words ×2 → hash → count ×3 → forward → merge ×3 → broadcast → rules ×2 → sink
+        let inputs = [
+            Partitioning::Forward,
+            Partitioning::Hash,
+            Partitioning::Forward,
+            Partitioning::Broadcast,
+            Partitioning::Forward,
+        ];
+        let old = topology(&[2, 3, 3, 2, 2], &inputs);
+        let range = |t: &Topology, task| t.key_group_range(groups, TaskId(task)).unwrap();
+        assert_eq!(range(&old, 1), groups.all());
+        assert_eq!(range(&old, 4), groups.range_of(3, 1).unwrap());
+        // Forward keeps the upstream's groups; broadcast owns all of them.
+        assert_eq!(range(&old, 7), groups.range_of(3, 1).unwrap());
+        assert_eq!(range(&old, 9), groups.all());
+        let new = topology(&[2, 2, 2, 3, 3], &inputs);
+        // New count task 3 (index 0: groups 0..6) overlaps old counts 3 (0..4), 4 (4..8).
+        assert_eq!(
+            new.restores_from(&old, groups, TaskId(3)).unwrap(),
+            vec![TaskId(3), TaskId(4)]
+        );
+        // Its forward-fed merge task 5 restores from the old merges of those groups.
+        assert_eq!(
+            new.restores_from(&old, groups, TaskId(5)).unwrap(),
+            vec![TaskId(6), TaskId(7)]
+        );
+        // A broadcast task restores the old stage's first task.
+        assert_eq!(
+            new.restores_from(&old, groups, TaskId(9)).unwrap(),
+            vec![TaskId(9)]
+        );
+        assert_eq!(
+            new.restores_from(&old, groups, TaskId(2)).unwrap(),
+            vec![TaskId(2)]
+        );
+    }
+}

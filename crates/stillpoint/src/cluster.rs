@@ -40,7 +40,7 @@ use crate::net::{
     write_envelope, writer_loop,
 };
 use crate::transport::{CoordinatorInput, Links, Signals, control_target};
-use crate::{EngineError, FallBack, JobConfig, JobReport, RunOptions, WordCount};
+use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, RunOptions, ToDataflow};
 
 /// Where the processes of a cluster job listen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -159,10 +159,11 @@ struct NodeLink {
 /// `options.stop` pulled and a final checkpoint taken) and every node has finished.
 pub fn run_coordinator(
     config: &JobConfig,
-    job: &WordCount,
+    job: &impl ToDataflow,
     mut options: RunOptions,
 ) -> Result<JobReport, EngineError> {
-    job.check()?;
+    let flow = job.to_dataflow()?;
+    flow.check()?;
     let cluster = cluster_of(config)?;
     let runtime = runtime()?;
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
@@ -184,7 +185,7 @@ pub fn run_coordinator(
         runtime.block_on(lease.release())?;
         return Ok(report);
     }
-    let topology = Topology::of(job);
+    let topology = Topology::of(&flow);
     let metrics = Arc::new(Metrics::new(&topology.all()));
     let generation = Arc::new(AtomicU64::new(0));
     let (inputs_tx, inputs_rx) = crossbeam_channel::unbounded::<CoordinatorInput>();
@@ -289,6 +290,7 @@ pub fn run_coordinator(
                 epoch: Instant::now(),
                 config,
                 sources: topology.sources.clone(),
+                stages: topology.parallelisms(),
                 seen: Seen::default(),
                 backoff: gc_backoff(),
                 report: &mut report,
@@ -808,8 +810,13 @@ impl Generation {
 /// Runs node `node` of a cluster job until the coordinator says the job is done.
 /// The node's local directories live under `work_dir/node-N`; a lost coordinator is
 /// waited for (up to the connect timeout) and the node rejoins it.
-pub fn run_node(config: &JobConfig, job: &WordCount, node: NodeId) -> Result<(), EngineError> {
-    job.check()?;
+pub fn run_node(
+    config: &JobConfig,
+    job: &impl ToDataflow,
+    node: NodeId,
+) -> Result<(), EngineError> {
+    let flow = job.to_dataflow()?;
+    flow.check()?;
     let cluster = cluster_of(config)?;
     let own_address = cluster.node_address(node)?;
     let mut local = config.clone();
@@ -817,7 +824,7 @@ pub fn run_node(config: &JobConfig, job: &WordCount, node: NodeId) -> Result<(),
     local.work_dir = config.work_dir.join(format!("node-{}", node.get()));
     let runtime = runtime()?;
     let store = Store::open(&local.store_uri(), local.store_options.clone())?;
-    let topology = Topology::of(job);
+    let topology = Topology::of(&flow);
     let groups = KeyGroups::new(local.max_parallelism)?;
 
     let listener = TcpListener::bind(own_address)
@@ -836,7 +843,7 @@ pub fn run_node(config: &JobConfig, job: &WordCount, node: NodeId) -> Result<(),
     })?;
     let mut node_state = NodeState {
         config: &local,
-        job,
+        flow: &flow,
         cluster: &cluster,
         node,
         topology: &topology,
@@ -855,7 +862,7 @@ pub fn run_node(config: &JobConfig, job: &WordCount, node: NodeId) -> Result<(),
 
 struct NodeState<'a> {
     config: &'a JobConfig,
-    job: &'a WordCount,
+    flow: &'a Dataflow,
     cluster: &'a ClusterConfig,
     node: NodeId,
     topology: &'a Topology,
@@ -1287,7 +1294,7 @@ impl NodeState<'_> {
         clear_live_dirs(&self.config.work_dir)?;
         let builder = Builder {
             config: self.config,
-            job: self.job,
+            flow: self.flow,
             topology: self.topology,
             groups: self.groups,
             store: self.store,

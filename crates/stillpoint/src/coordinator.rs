@@ -31,6 +31,8 @@ pub(crate) struct CoordinatorDriver<'a> {
     pub(crate) epoch: Instant,
     pub(crate) config: &'a JobConfig,
     pub(crate) sources: Vec<TaskId>,
+    /// The dataflow's parallelism per stage, recorded in every checkpoint.
+    pub(crate) stages: Vec<u32>,
     /// What this run has learnt so far (starts empty).
     pub(crate) seen: Seen,
     pub(crate) backoff: GcBackoff,
@@ -284,6 +286,7 @@ impl CoordinatorDriver<'_> {
                     })
                 })
                 .collect(),
+            stages: self.stages.clone(),
         };
         self.runtime
             .block_on(self.store.commit(&manifest, &self.lease))?;

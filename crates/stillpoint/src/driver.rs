@@ -32,6 +32,8 @@ pub(crate) enum Role {
 pub(crate) enum Partitioner {
     /// One downstream (or none).
     Forward,
+    /// Every record to every downstream.
+    Broadcast,
     /// By key group: `owner[group]` indexes the downstream list.
     KeyGroups {
         groups: KeyGroups,
@@ -57,7 +59,7 @@ impl Partitioner {
 
     fn target(&self, record: &Record) -> usize {
         match self {
-            Self::Forward => 0,
+            Self::Forward | Self::Broadcast => 0,
             Self::KeyGroups { groups, owner } => owner
                 .get(groups.of(&record.key) as usize)
                 .copied()
@@ -431,13 +433,19 @@ impl TaskDriver {
         if records.is_empty() || self.downstreams.is_empty() {
             return Ok(());
         }
-        let mut per: Vec<Vec<Record>> = vec![Vec::new(); self.downstreams.len()];
-        for record in records {
-            let target = self.partitioner.target(&record);
-            if let Some(bucket) = per.get_mut(target) {
-                bucket.push(record);
+        let per: Vec<Vec<Record>> = if matches!(self.partitioner, Partitioner::Broadcast) {
+            // Records share their bytes: a copy per downstream is a reference count.
+            vec![records; self.downstreams.len()]
+        } else {
+            let mut per = vec![Vec::new(); self.downstreams.len()];
+            for record in records {
+                let target = self.partitioner.target(&record);
+                if let Some(bucket) = per.get_mut(target) {
+                    bucket.push(record);
+                }
             }
-        }
+            per
+        };
         for (downstream, bucket) in self.downstreams.clone().into_iter().zip(per) {
             if bucket.is_empty() {
                 continue;

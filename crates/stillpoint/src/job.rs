@@ -26,7 +26,10 @@ use crate::build::{
 use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::metrics::Metrics;
 use crate::transport::{Links, Signals};
-use crate::{EngineError, GeneratedWords, Source};
+use crate::{
+    Dataflow, EngineError, GeneratedWords, KeyedCount, Operator, Partitioning, Source, ToDataflow,
+    TransactionalFileSink,
+};
 
 /// Where and how a job runs and checkpoints. Every field has a default.
 #[derive(Clone, Debug)]
@@ -187,6 +190,27 @@ impl WordCount {
     }
 }
 
+impl ToDataflow for WordCount {
+    /// `sources` word sources → hash by key group → `aggregators` [`KeyedCount`]s →
+    /// forward → one [`TransactionalFileSink`] per counter under `output`.
+    fn to_dataflow(&self) -> Result<Dataflow, EngineError> {
+        self.check()?;
+        let job = self.clone();
+        Ok(
+            Dataflow::source("words", self.sources, move |index| job.source(index))
+                .operator("count", self.aggregators, Partitioning::Hash, |_| {
+                    Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+                })
+                .sink(
+                    "publish",
+                    self.aggregators,
+                    Partitioning::Forward,
+                    TransactionalFileSink::factory(&self.output),
+                ),
+        )
+    }
+}
+
 /// Asks a running job to stop: it takes one more checkpoint, publishes it and returns.
 /// Clone it into a signal handler.
 #[derive(Clone, Debug, Default)]
@@ -306,7 +330,7 @@ const NODE: NodeId = NodeId(1);
 /// returned — run it again to recover.
 pub fn run_word_count(
     config: &JobConfig,
-    job: &WordCount,
+    job: &impl ToDataflow,
     crash_after: Option<Duration>,
 ) -> Result<JobReport, EngineError> {
     run(
@@ -326,10 +350,11 @@ pub fn run_word_count(
 /// their parallelism changed).
 pub fn run(
     config: &JobConfig,
-    job: &WordCount,
+    job: &impl ToDataflow,
     mut options: RunOptions,
 ) -> Result<JobReport, EngineError> {
-    job.check()?;
+    let flow = job.to_dataflow()?;
+    flow.check()?;
     let runtime = runtime()?;
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
     let lease = runtime.block_on(Lease::acquire_job(
@@ -338,7 +363,7 @@ pub fn run(
         Arc::new(SystemClock),
     ))?;
 
-    let topology = Topology::of(job);
+    let topology = Topology::of(&flow);
     let groups = KeyGroups::new(config.max_parallelism)?;
     let mut report = JobReport::default();
     let restore = runtime.block_on(restore_point(
@@ -393,12 +418,12 @@ pub fn run(
     clear_live_dirs(&config.work_dir)?;
     if let Some(restore) = &restore {
         if !restore.same_shape(&topology) {
-            crate::pipeline::recover_transactions(&job.output, restore.manifest.checkpoint)?;
+            flow.settle_sinks(restore.manifest.checkpoint)?;
         }
     }
     let builder = Builder {
         config,
-        job,
+        flow: &flow,
         topology: &topology,
         groups,
         store: &store,
@@ -456,6 +481,7 @@ pub fn run(
             epoch,
             config,
             sources: topology.sources.clone(),
+            stages: topology.parallelisms(),
             seen: Seen::default(),
             backoff: gc_backoff(),
             report: &mut report,

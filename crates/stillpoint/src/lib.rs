@@ -38,6 +38,7 @@ mod build;
 mod cluster;
 mod config;
 mod coordinator;
+mod dataflow;
 mod driver;
 mod error;
 mod job;
@@ -50,6 +51,9 @@ mod transport;
 
 pub use cluster::{ClusterConfig, run_coordinator, run_node};
 pub use config::{ConfigError, Job};
+pub use dataflow::{
+    Dataflow, OperatorFactory, Partitioning, SinkFactory, SourceFactory, ToDataflow,
+};
 pub use error::EngineError;
 pub use job::{
     CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, RunOptions, StartCallback,
@@ -58,11 +62,13 @@ pub use job::{
 pub use metrics::Metrics;
 pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};
 pub use pipeline::{
-    COUNTS, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll, TransactionalFileSink,
-    read_committed, recover_transactions,
+    COUNTS, FileSinkFactory, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll,
+    TransactionalFileSink, read_committed, recover_transactions,
 };
 pub use record::{BatchError, Record, decode_batch, encode_batch};
 pub use sources::{FileLines, LogDir, MAX_LINE_BYTES};
+/// The keyed state an [`Operator`] works on.
+pub use stillpoint_state::{CachedState, KeyedState, MapState, ValueState};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

@@ -177,7 +177,31 @@ pub struct TransactionalFileSink {
     open: Vec<u8>,
 }
 
+/// The sink stage of [`TransactionalFileSink`]s under one directory: each task its
+/// own sink; a restore with another parallelism settles every old task's
+/// transactions first ([`recover_transactions`]).
+#[derive(Clone, Debug)]
+pub struct FileSinkFactory {
+    dir: PathBuf,
+}
+
+impl crate::SinkFactory for FileSinkFactory {
+    fn create(&self, task: TaskId) -> Result<Box<dyn Sink>, EngineError> {
+        Ok(Box::new(TransactionalFileSink::new(&self.dir, task)))
+    }
+
+    fn settle(&self, restored: CheckpointId) -> Result<(), EngineError> {
+        recover_transactions(&self.dir, restored)
+    }
+}
+
 impl TransactionalFileSink {
+    /// The sink stage writing under `dir`.
+    #[must_use]
+    pub fn factory(dir: impl Into<PathBuf>) -> FileSinkFactory {
+        FileSinkFactory { dir: dir.into() }
+    }
+
     /// A sink of task `task` writing under `dir`.
     #[must_use]
     pub fn new(dir: impl Into<PathBuf>, task: TaskId) -> Self {

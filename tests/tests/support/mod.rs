@@ -106,7 +106,7 @@ pub(crate) struct CrashLoop {
 /// more without a crash to the end.
 pub(crate) fn crash_loop(
     config: &JobConfig,
-    job: &WordCount,
+    job: &impl stillpoint::ToDataflow,
     crashes: u32,
     window: Duration,
     seed: u64,

@@ -212,6 +212,7 @@ pub fn checkpoint_manifest(
                 offset: SourceOffset::from_u64(id.get() * 100),
             })
             .collect(),
+        stages: Vec::new(),
     }
 }
 

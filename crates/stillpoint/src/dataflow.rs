@@ -1,0 +1,333 @@
+//! A dataflow: a chain of stages — one source stage, any number of keyed operator
+//! stages, one sink stage — each with its own parallelism, every stage fed by the one
+//! before it through forward, hash (by key group) or broadcast partitioning.
+//!
+//! ```
+//! use stillpoint::{Dataflow, GeneratedWords, KeyedCount, Partitioning, TransactionalFileSink};
+//!
+//! let out = std::path::PathBuf::from("out");
+//! let flow = Dataflow::source("words", 2, |index| {
+//!     Ok(Box::new(GeneratedWords::new(42, index, 1_000, 100)) as _)
+//! })
+//! .operator("count", 3, Partitioning::Hash, |_| Ok(Box::new(KeyedCount) as _))
+//! .sink("publish", 3, Partitioning::Forward, TransactionalFileSink::factory(out));
+//! assert_eq!(flow.parallelisms(), vec![2, 3, 3]);
+//! flow.check()?;
+//! # Ok::<(), stillpoint::EngineError>(())
+//! ```
+
+use std::sync::Arc;
+
+use stillpoint_wire::{CheckpointId, TaskId};
+
+use crate::{EngineError, Operator, Sink, Source};
+
+/// How a stage's input is spread over its tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Partitioning {
+    /// Task `i` of the upstream stage feeds task `i` (both stages have the same
+    /// parallelism); a keyed stage keeps its upstream's key groups.
+    Forward,
+    /// By the key group of the record's key: each task owns a contiguous range of key
+    /// groups, and keyed state is rescaled by those ranges.
+    Hash,
+    /// Every record to every task (each task sees the whole input, e.g. rules or a
+    /// small table). Every task owns every key group; a rescaled broadcast stage
+    /// restores the state of the old stage's first task into each of its tasks.
+    Broadcast,
+}
+
+/// Creates the source of a source stage's task `index`.
+pub type SourceFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Source>, EngineError> + Send + Sync>;
+
+/// Creates the operator of an operator stage's task `index`.
+pub type OperatorFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Operator>, EngineError> + Send + Sync>;
+
+/// Creates a sink stage's sinks and settles what a changed sink parallelism leaves.
+pub trait SinkFactory: Send + Sync {
+    /// The sink of task `task`; the engine calls [`Sink::recover`] on it next.
+    fn create(&self, task: TaskId) -> Result<Box<dyn Sink>, EngineError>;
+
+    /// Before any task starts on a restore of `restored` with another parallelism than
+    /// the checkpoint's: publishes every transaction of the old tasks that `restored`
+    /// covers and rolls back the later ones (their tasks may no longer exist to do
+    /// it). The default does nothing: right for idempotent sinks.
+    fn settle(&self, restored: CheckpointId) -> Result<(), EngineError> {
+        let _ = restored;
+        Ok(())
+    }
+}
+
+impl<F> SinkFactory for F
+where
+    F: Fn(TaskId) -> Result<Box<dyn Sink>, EngineError> + Send + Sync,
+{
+    fn create(&self, task: TaskId) -> Result<Box<dyn Sink>, EngineError> {
+        self(task)
+    }
+}
+
+/// What a stage's tasks run.
+#[derive(Clone)]
+pub(crate) enum StageKind {
+    Source(SourceFactory),
+    Operator(OperatorFactory),
+    Sink(Arc<dyn SinkFactory>),
+}
+
+/// One stage of a [`Dataflow`].
+#[derive(Clone)]
+pub(crate) struct Stage {
+    pub(crate) name: String,
+    pub(crate) parallelism: u32,
+    /// How the previous stage's output reaches this one (unused for the source).
+    pub(crate) input: Partitioning,
+    pub(crate) kind: StageKind,
+}
+
+/// A dataflow; see the module docs. Build it with [`Dataflow::source`], then
+/// [`Dataflow::operator`] for each keyed stage and [`Dataflow::sink`] last.
+#[derive(Clone)]
+pub struct Dataflow {
+    pub(crate) stages: Vec<Stage>,
+}
+
+impl std::fmt::Debug for Dataflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut list = f.debug_list();
+        for stage in &self.stages {
+            let kind = match stage.kind {
+                StageKind::Source(_) => "source",
+                StageKind::Operator(_) => "operator",
+                StageKind::Sink(_) => "sink",
+            };
+            list.entry(&format_args!(
+                "{kind} {:?} ×{} ({:?})",
+                stage.name, stage.parallelism, stage.input
+            ));
+        }
+        list.finish()
+    }
+}
+
+impl Dataflow {
+    /// A dataflow starting with a source stage of `parallelism` tasks, each reading
+    /// what `factory(index)` returns.
+    pub fn source(
+        name: impl Into<String>,
+        parallelism: u32,
+        factory: impl Fn(u32) -> Result<Box<dyn Source>, EngineError> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            stages: vec![Stage {
+                name: name.into(),
+                parallelism,
+                input: Partitioning::Forward,
+                kind: StageKind::Source(Arc::new(factory)),
+            }],
+        }
+    }
+
+    /// Adds a keyed operator stage fed by the previous stage through `input`.
+    #[must_use]
+    pub fn operator(
+        mut self,
+        name: impl Into<String>,
+        parallelism: u32,
+        input: Partitioning,
+        factory: impl Fn(u32) -> Result<Box<dyn Operator>, EngineError> + Send + Sync + 'static,
+    ) -> Self {
+        self.stages.push(Stage {
+            name: name.into(),
+            parallelism,
+            input,
+            kind: StageKind::Operator(Arc::new(factory)),
+        });
+        self
+    }
+
+    /// Adds the sink stage fed by the previous stage through `input`.
+    #[must_use]
+    pub fn sink(
+        mut self,
+        name: impl Into<String>,
+        parallelism: u32,
+        input: Partitioning,
+        factory: impl SinkFactory + 'static,
+    ) -> Self {
+        self.stages.push(Stage {
+            name: name.into(),
+            parallelism,
+            input,
+            kind: StageKind::Sink(Arc::new(factory)),
+        });
+        self
+    }
+
+    /// Settles the sink stage's old transactions before a rescaled restore of
+    /// `restored` ([`SinkFactory::settle`]).
+    pub(crate) fn settle_sinks(&self, restored: CheckpointId) -> Result<(), EngineError> {
+        for stage in &self.stages {
+            if let StageKind::Sink(factory) = &stage.kind {
+                factory.settle(restored)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The parallelism of each stage, in order.
+    #[must_use]
+    pub fn parallelisms(&self) -> Vec<u32> {
+        self.stages.iter().map(|s| s.parallelism).collect()
+    }
+
+    /// Refuses a dataflow that cannot run, naming the stage: it must start with its
+    /// only source stage and end with its only sink stage, every stage needs at least
+    /// one task, names are unique, and a forward edge joins stages of equal
+    /// parallelism.
+    pub fn check(&self) -> Result<(), EngineError> {
+        let invalid = |what: String| Err(EngineError::Invalid(format!("dataflow: {what}")));
+        let last = self.stages.len().saturating_sub(1);
+        let mut names = std::collections::BTreeSet::new();
+        for (index, stage) in self.stages.iter().enumerate() {
+            let name = &stage.name;
+            if !names.insert(name.as_str()) {
+                return invalid(format!("two stages are called {name:?}"));
+            }
+            if stage.parallelism == 0 {
+                return invalid(format!("stage {name:?} has parallelism 0"));
+            }
+            match (&stage.kind, index) {
+                (StageKind::Source(_), 0) => {}
+                (StageKind::Source(_), _) => {
+                    return invalid(format!("source stage {name:?} is not the first stage"));
+                }
+                (StageKind::Sink(_), i) if i == last && i > 0 => {}
+                (StageKind::Sink(_), _) => {
+                    return invalid(format!("sink stage {name:?} is not the last stage"));
+                }
+                (StageKind::Operator(_), i) if i > 0 && i < last => {}
+                (StageKind::Operator(_), _) => {
+                    return invalid(format!(
+                        "operator stage {name:?} must come after the source and before the sink"
+                    ));
+                }
+            }
+            if let Some(previous) = index.checked_sub(1).and_then(|i| self.stages.get(i)) {
+                if stage.input == Partitioning::Forward && stage.parallelism != previous.parallelism
+                {
+                    return invalid(format!(
+                        "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
+                        stage.parallelism, previous.name, previous.parallelism
+                    ));
+                }
+            }
+        }
+        if self.stages.len() < 2 {
+            return invalid("it needs a source stage and a sink stage".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// What the engine runs: a [`Dataflow`], or a description that builds one (the
+/// built-in [`crate::WordCount`]).
+pub trait ToDataflow {
+    /// The dataflow.
+    fn to_dataflow(&self) -> Result<Dataflow, EngineError>;
+}
+
+impl ToDataflow for Dataflow {
+    fn to_dataflow(&self) -> Result<Dataflow, EngineError> {
+        Ok(self.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{GeneratedWords, KeyedCount, TransactionalFileSink};
+
+    fn source(parallelism: u32) -> Dataflow {
+        Dataflow::source("words", parallelism, |index| {
+            Ok(Box::new(GeneratedWords::new(1, index, 10, 5)) as Box<dyn Source>)
+        })
+    }
+
+    fn count(flow: Dataflow, name: &str, parallelism: u32, input: Partitioning) -> Dataflow {
+        flow.operator(name, parallelism, input, |_| {
+            Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+        })
+    }
+
+    fn sink(flow: Dataflow, parallelism: u32, input: Partitioning) -> Dataflow {
+        flow.sink(
+            "publish",
+            parallelism,
+            input,
+            TransactionalFileSink::factory("out"),
+        )
+    }
+
+    fn refused(flow: &Dataflow) -> String {
+        match flow.check() {
+            Err(EngineError::Invalid(message)) => message,
+            other => panic!("{flow:?} should be refused, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_dataflow_that_cannot_run_is_refused_naming_its_stage() {
+        let ok = sink(
+            count(source(2), "count", 3, Partitioning::Hash),
+            3,
+            Partitioning::Forward,
+        );
+        ok.check().unwrap();
+        assert_eq!(ok.parallelisms(), vec![2, 3, 3]);
+        let cases = [
+            (
+                sink(
+                    count(source(2), "count", 3, Partitioning::Hash),
+                    2,
+                    Partitioning::Forward,
+                ),
+                "stage \"publish\" (parallelism 2) is fed forward by \"count\" (parallelism 3)",
+            ),
+            (
+                sink(
+                    count(source(0), "count", 3, Partitioning::Hash),
+                    3,
+                    Partitioning::Forward,
+                ),
+                "stage \"words\" has parallelism 0",
+            ),
+            (
+                sink(
+                    count(source(1), "words", 3, Partitioning::Hash),
+                    3,
+                    Partitioning::Forward,
+                ),
+                "two stages are called \"words\"",
+            ),
+            (
+                count(
+                    sink(source(1), 1, Partitioning::Hash),
+                    "count",
+                    1,
+                    Partitioning::Hash,
+                ),
+                "sink stage \"publish\" is not the last stage",
+            ),
+            (
+                count(source(1), "count", 1, Partitioning::Hash),
+                "operator stage \"count\" must come after the source and before the sink",
+            ),
+            (source(1), "it needs a source stage and a sink stage"),
+        ];
+        for (flow, expected) in cases {
+            let message = refused(&flow);
+            assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+        }
+    }
+}

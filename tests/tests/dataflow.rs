@@ -1,0 +1,237 @@
+//! End to end: a general dataflow with a stage of each kind of edge — 2 generated
+//! sources → hash → keyed counters → broadcast → stateful witnesses → forward →
+//! exactly-once file sinks — crashed at random moments and restarted, and restored
+//! with other parallelisms of its hash-fed and broadcast stages.
+//!
+//! Every witness sees every count update and counts, in its own keyed state, the
+//! updates of each word it has seen; it publishes `count:seen`. Exactly once through
+//! crashes and rescales means every published line has `seen == count` (no update
+//! lost or seen twice by any witness's state), and every update is published once per
+//! witness.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stderr
+)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use stillpoint::{
+    CachedState, Dataflow, EngineError, GeneratedWords, KeyedCount, KeyedState, Operator,
+    Partitioning, Record, Source, TransactionalFileSink, read_committed, run_word_count,
+};
+use support::{config, crash_loop};
+
+const SEED: u64 = 7;
+const VOCABULARY: u32 = 300;
+
+/// Counts, per word, the updates this task has seen; emits `count:seen`.
+struct Witness;
+
+impl Operator for Witness {
+    fn process(
+        &mut self,
+        record: Record,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let seen = state
+            .get_cached("seen", &record.key, &[])?
+            .map_or(0, |b| u64::from_be_bytes(b.as_slice().try_into().unwrap()))
+            + 1;
+        state.put("seen", &record.key, &[], &seen.to_be_bytes())?;
+        let count = String::from_utf8(record.value.to_vec()).unwrap();
+        out.push(Record::new(record.key, format!("{count}:{seen}")));
+        Ok(())
+    }
+}
+
+fn flow(dir: &Path, words: u64, counters: u32, witnesses: u32) -> Dataflow {
+    Dataflow::source("words", 2, move |index| {
+        Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
+    })
+    .operator("count", counters, Partitioning::Hash, |_| {
+        Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+    })
+    .operator("witness", witnesses, Partitioning::Broadcast, |_| {
+        Ok(Box::new(Witness) as Box<dyn Operator>)
+    })
+    .sink(
+        "publish",
+        witnesses,
+        Partitioning::Forward,
+        TransactionalFileSink::factory(dir.join("out")),
+    )
+}
+
+/// How often each word occurs in the whole input.
+fn totals(words: u64) -> BTreeMap<String, u64> {
+    let mut totals = BTreeMap::new();
+    for index in 0..2 {
+        let source = GeneratedWords::new(SEED, index, words, VOCABULARY);
+        for position in 0..words {
+            *totals.entry(source.word(position)).or_default() += 1;
+        }
+    }
+    totals
+}
+
+/// The published lines: word → count → (seen values, one per witness that published).
+fn published(dir: &Path) -> BTreeMap<String, BTreeMap<u64, Vec<u64>>> {
+    let mut out: BTreeMap<String, BTreeMap<u64, Vec<u64>>> = BTreeMap::new();
+    for (word, value) in read_committed(&dir.join("out")).unwrap() {
+        let (count, seen) = value.split_once(':').unwrap();
+        out.entry(word)
+            .or_default()
+            .entry(count.parse().unwrap())
+            .or_default()
+            .push(seen.parse().unwrap());
+    }
+    out
+}
+
+/// Checks the published output against the input: every update `1..=total` of every
+/// word, each published by `before` witnesses up to some update and by `after` from
+/// then on (the restore point; `before == after` without a rescale), every line with
+/// `seen == count`.
+fn check(dir: &Path, words: u64, before: usize, after: usize) {
+    let totals = totals(words);
+    let published = published(dir);
+    assert_eq!(
+        published.keys().collect::<Vec<_>>(),
+        totals.keys().collect::<Vec<_>>(),
+        "words published"
+    );
+    for (word, total) in &totals {
+        let updates = &published[word];
+        assert_eq!(
+            updates.keys().copied().collect::<Vec<_>>(),
+            (1..=*total).collect::<Vec<_>>(),
+            "{word}: updates lost or invented"
+        );
+        let mut rescaled = false;
+        for (count, seen) in updates {
+            assert!(
+                seen.iter().all(|s| s == count),
+                "{word} update {count}: witnesses saw {seen:?} (lost or repeated)"
+            );
+            rescaled |= before != after && seen.len() == after;
+            let expected = if rescaled { after } else { before };
+            assert_eq!(
+                seen.len(),
+                expected,
+                "{word} update {count}: published {} times (lines {seen:?})",
+                seen.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn hash_broadcast_and_forward_edges_survive_random_crashes_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let words = 60_000;
+    let job = flow(dir.path(), words, 3, 2);
+    let seen = crash_loop(
+        &config(dir.path()),
+        &job,
+        12,
+        Duration::from_millis(600),
+        11,
+    );
+    assert!(seen.crashes > 0, "{seen:?}");
+    assert!(
+        seen.checkpoints > 1,
+        "too few checkpoints to restore from: {seen:?}"
+    );
+    check(dir.path(), words, 2, 2);
+    eprintln!(
+        "dataflow: {} crashes, {} restores, {} checkpoints, {:.1} s",
+        seen.crashes,
+        seen.restored,
+        seen.checkpoints,
+        seen.elapsed.as_secs_f64()
+    );
+}
+
+#[test]
+fn a_restore_rescales_the_hash_fed_and_the_broadcast_stages() {
+    for (counters, witnesses) in [((3, 4), (2, 3)), ((2, 1), (3, 1))] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config(dir.path());
+        let words = 60_000;
+        let before = flow(dir.path(), words, counters.0, witnesses.0);
+        let mut crash = Duration::from_millis(200);
+        loop {
+            match run_word_count(&config, &before, Some(crash)) {
+                Err(EngineError::Crashed(_)) => {}
+                other => panic!("the run should have been crashed: {other:?}"),
+            }
+            if !stillpoint::checkpoint_history(&config).unwrap().is_empty() {
+                break;
+            }
+            crash *= 2;
+        }
+        let after = flow(dir.path(), words, counters.1, witnesses.1);
+        let report = run_word_count(&config, &after, None).unwrap();
+        assert!(report.restored_from.is_some(), "{report:?}");
+        check(
+            dir.path(),
+            words,
+            witnesses.0 as usize,
+            witnesses.1 as usize,
+        );
+    }
+}
+
+#[test]
+fn a_restore_cannot_change_the_stages_or_the_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path());
+    let words = 2_000;
+    run_word_count(&config, &flow(dir.path(), words, 2, 2), None).unwrap();
+    let fewer_stages = Dataflow::source("words", 2, move |index| {
+        Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
+    })
+    .sink(
+        "publish",
+        2,
+        Partitioning::Hash,
+        TransactionalFileSink::factory(dir.path().join("out2")),
+    );
+    let error = run_word_count(&config, &fewer_stages, None).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("taken with 4 stages, the dataflow has 2"),
+        "{error}"
+    );
+    let wider_sources = Dataflow::source("words", 3, move |index| {
+        Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
+    })
+    .operator("count", 2, Partitioning::Hash, |_| {
+        Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+    })
+    .operator("witness", 2, Partitioning::Broadcast, |_| {
+        Ok(Box::new(Witness) as Box<dyn Operator>)
+    })
+    .sink(
+        "publish",
+        2,
+        Partitioning::Forward,
+        TransactionalFileSink::factory(dir.path().join("out")),
+    );
+    let error = run_word_count(&config, &wider_sources, None).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("taken with 2 sources, the job has 3"),
+        "{error}"
+    );
+}
