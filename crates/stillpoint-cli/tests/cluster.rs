@@ -12,14 +12,36 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{expected, free_port, spawn, wait_up_to, word_count_job};
+use std::io::{Read, Write};
+
+use support::{expected, free_port, spawn, wait_up_to, write_word_count_job};
+
+/// The body of `GET /metrics` on a local port.
+fn scrape(port: u16) -> String {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+}
 
 #[test]
 fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let dir = tempfile::tempdir().unwrap();
     let (c, n1, n2) = (free_port(), free_port(), free_port());
+    let (mc, m1, m2) = (free_port(), free_port(), free_port());
     let words = 150_000;
-    let job = word_count_job(dir.path(), words, Some((c, n1, n2)));
+    let job = dir.path().join("job.toml");
+    write_word_count_job(
+        &job,
+        &dir.path().join("data"),
+        &dir.path().join("out"),
+        words,
+        &format!(
+            "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n[metrics]\nlisten = \"127.0.0.1:{mc}\"\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n"
+        ),
+    );
     let logs = dir.path();
     let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
     let mut node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));
@@ -30,6 +52,34 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     while std::fs::read_dir(&committed).map_or(0, |d| d.count()) < 2 {
         assert!(Instant::now() < deadline, "no checkpoint within 60 s");
         std::thread::sleep(Duration::from_millis(20));
+    }
+    // Each process serves its own metrics: the nodes their tasks' records (tasks are
+    // spread round robin: node 1 runs the odd ones), the coordinator the checkpoints.
+    let checkpoints = scrape(mc);
+    assert!(
+        checkpoints.contains("stillpoint_checkpoints_completed_total ")
+            && !checkpoints.contains("stillpoint_checkpoints_completed_total 0\n"),
+        "{checkpoints}"
+    );
+    for (node, port, task) in [(1, m1, 1), (2, m2, 2)] {
+        let text = scrape(port);
+        let line = format!("stillpoint_task_records_total{{task=\"{task}\",node=\"{node}\"}} ");
+        let records: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .unwrap_or_else(|| panic!("node {node} does not report source task {task}: {text}"))
+            .parse()
+            .unwrap();
+        assert!(records > 0, "node {node}: {text}");
+        assert!(
+            !text.contains("stillpoint_checkpoints_completed_total"),
+            "{text}"
+        );
+        let other = if node == 1 { 2 } else { 1 };
+        assert!(
+            !text.contains(&format!("task=\"{other}\"")),
+            "node {node} reports a task it does not run: {text}"
+        );
     }
     std::thread::sleep(Duration::from_millis(150));
     node2.kill().unwrap(); // SIGKILL

@@ -34,7 +34,7 @@ use crate::job::{
     DATA_CHANNEL_CAPACITY, coordinator_machine, gc_backoff, highest_checkpoint, lease_config,
     runtime,
 };
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Served};
 use crate::net::{
     EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
     write_envelope, writer_loop,
@@ -51,9 +51,31 @@ pub struct ClusterConfig {
     pub nodes: Vec<SocketAddr>,
     /// How long a node keeps trying to reach the coordinator or a peer (default 60 s).
     pub connect_timeout: Duration,
+    /// Node `i + 1` serves its tasks' Prometheus metrics at `node_metrics[i]` (empty:
+    /// none; the coordinator serves the checkpoints' at `JobConfig::metrics_listen`).
+    pub node_metrics: Vec<SocketAddr>,
 }
 
 impl ClusterConfig {
+    /// Where node `node` serves its metrics, if anywhere.
+    fn node_metrics_address(&self, node: NodeId) -> Result<Option<SocketAddr>, EngineError> {
+        if self.node_metrics.is_empty() {
+            return Ok(None);
+        }
+        if self.node_metrics.len() != self.nodes.len() {
+            return Err(EngineError::Invalid(format!(
+                "[metrics] nodes lists {} addresses for {} nodes: one per node, in [cluster] nodes' order",
+                self.node_metrics.len(),
+                self.nodes.len()
+            )));
+        }
+        self.node_address(node)?;
+        Ok(self
+            .node_metrics
+            .get(node.get().saturating_sub(1) as usize)
+            .copied())
+    }
+
     fn node_address(&self, node: NodeId) -> Result<SocketAddr, EngineError> {
         self.nodes
             .get(node.get().saturating_sub(1) as usize)
@@ -186,7 +208,15 @@ pub fn run_coordinator(
         return Ok(report);
     }
     let topology = Topology::of(&flow);
-    let metrics = Arc::new(Metrics::new(&topology.all()));
+    // The coordinator reports checkpoints; each node its own tasks' records.
+    let metrics = Arc::new(Metrics::new(&[]));
+    let served = config
+        .metrics_listen
+        .map(|listen| Served::start(listen, Arc::clone(&metrics)))
+        .transpose()?;
+    if let (Some(served), Some(tell)) = (&served, options.on_metrics.take()) {
+        tell(served.address);
+    }
     let generation = Arc::new(AtomicU64::new(0));
     let (inputs_tx, inputs_rx) = crossbeam_channel::unbounded::<CoordinatorInput>();
     let listener = TcpListener::bind(cluster.coordinator)
@@ -826,6 +856,11 @@ pub fn run_node(
     let store = Store::open(&local.store_uri(), local.store_options.clone())?;
     let topology = Topology::of(&flow);
     let groups = KeyGroups::new(local.max_parallelism)?;
+    let local_tasks: Vec<TaskId> = topology
+        .all()
+        .into_iter()
+        .filter(|t| Topology::node_of(*t, cluster.node_count()) == node)
+        .collect();
 
     let listener = TcpListener::bind(own_address)
         .map_err(|e| EngineError::io("listen on", own_address.to_string(), &e))?;
@@ -852,8 +887,12 @@ pub fn run_node(
         runtime: &runtime,
         edges: edges_rx,
         early_edges: Vec::new(),
-        metrics: Metrics::new(&topology.all()),
+        metrics: Arc::new(Metrics::for_node(node, &local_tasks)),
     };
+    let _metrics = cluster
+        .node_metrics_address(node)?
+        .map(|listen| Served::start(listen, Arc::clone(&node_state.metrics)))
+        .transpose()?;
     let outcome = node_state.serve();
     halt.store(true, Ordering::SeqCst);
     let _joined = acceptor.join();
@@ -872,7 +911,7 @@ struct NodeState<'a> {
     edges: Receiver<(EngineMessage, TcpStream)>,
     /// Edge connections of a generation this node has not started yet.
     early_edges: Vec<(EngineMessage, TcpStream)>,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
 }
 
 impl NodeState<'_> {

@@ -38,6 +38,8 @@
 //!
 //! [metrics]
 //! listen = "127.0.0.1:9464"         # Prometheus text at /metrics; default: off
+//!                                   # (in a cluster: the coordinator's, checkpoints)
+//! # nodes = ["127.0.0.1:9465", "127.0.0.1:9466"]  # a cluster's nodes, their tasks
 //!
 //! [cluster]                         # run across processes; default: one process
 //! coordinator = "127.0.0.1:7600"    # `stillpoint coordinator JOB.toml` listens here
@@ -301,6 +303,7 @@ impl Default for StateSection {
 #[serde(deny_unknown_fields, default)]
 struct MetricsSection {
     listen: Option<SocketAddr>,
+    nodes: Vec<SocketAddr>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -510,10 +513,29 @@ impl JobFile {
         };
         config.lease_ttl = job.lease_ttl;
         config.metrics_listen = metrics.listen;
+        if cluster.is_none() && !metrics.nodes.is_empty() {
+            return Err(invalid(
+                "metrics.nodes",
+                "is for the nodes of a cluster job; this job has no [cluster] section",
+            ));
+        }
+        if let Some(c) = &cluster {
+            if !metrics.nodes.is_empty() && metrics.nodes.len() != c.nodes.len() {
+                return Err(invalid(
+                    "metrics.nodes",
+                    &format!(
+                        "lists {} addresses for {} nodes (one per node, in cluster.nodes' order)",
+                        metrics.nodes.len(),
+                        c.nodes.len()
+                    ),
+                ));
+            }
+        }
         config.cluster = cluster.map(|c| crate::ClusterConfig {
             coordinator: c.coordinator,
             nodes: c.nodes,
             connect_timeout: c.connect_timeout,
+            node_metrics: metrics.nodes,
         });
         let pipeline = WordCount {
             sources: pipeline.sources,
@@ -645,6 +667,14 @@ input = { kind = "files", paths = ["in.txt"] }
             (
                 "[cluster]\ncoordinator = \"nowhere\"\nnodes = []\n",
                 "line 2",
+            ),
+            (
+                "[metrics]\nnodes = [\"127.0.0.1:9465\"]\n",
+                "`metrics.nodes` is for the nodes of a cluster job",
+            ),
+            (
+                "[metrics]\nnodes = [\"127.0.0.1:9465\"]\n[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\", \"127.0.0.1:3\"]\n",
+                "lists 1 addresses for 2 nodes",
             ),
         ];
         for (text, expected) in cases {

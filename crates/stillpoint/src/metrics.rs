@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use stillpoint_wire::TaskId;
+use stillpoint_wire::{NodeId, TaskId};
 
 use crate::transport::Signals;
 use crate::{CheckpointStats, EngineError};
@@ -28,6 +28,9 @@ pub struct Metrics {
     state_bytes: AtomicU64,
     uploaded_bytes_total: AtomicU64,
     restored_from: AtomicU64,
+    /// Set for a cluster node's metrics: its tasks' counters only (the coordinator
+    /// serves the checkpoints'), each sample labelled with the node.
+    node: Option<NodeId>,
 }
 
 impl Metrics {
@@ -39,6 +42,14 @@ impl Metrics {
                 .map(|t| (*t, Arc::new(AtomicU64::new(0))))
                 .collect(),
             ..Self::default()
+        }
+    }
+
+    /// Metrics of cluster node `node`, running `tasks`.
+    pub(crate) fn for_node(node: NodeId, tasks: &[TaskId]) -> Self {
+        Self {
+            node: Some(node),
+            ..Self::new(tasks)
         }
     }
 
@@ -87,10 +98,13 @@ impl Metrics {
         let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
         let seconds = |micros: u64| format!("{:.6}", micros as f64 / 1e6);
         let mut records = String::new();
+        let node = self
+            .node
+            .map_or_else(String::new, |n| format!(",node=\"{}\"", n.get()));
         for (task, counter) in &self.records {
             let _ = writeln!(
                 records,
-                "stillpoint_task_records_total{{task=\"{}\"}} {}",
+                "stillpoint_task_records_total{{task=\"{}\"{node}}} {}",
                 task.get(),
                 load(counter)
             );
@@ -101,6 +115,9 @@ impl Metrics {
             "Records each task took in.",
             records,
         );
+        if self.node.is_some() {
+            return out;
+        }
         let plain = |name: &str, value: String| format!("{name} {value}\n");
         metric(
             "stillpoint_checkpoints_completed_total",
@@ -227,6 +244,37 @@ pub(crate) fn serve(
     Ok((bound, handle))
 }
 
+/// A metrics endpoint that stops when dropped (for the processes of a cluster job,
+/// which have no job-wide signals).
+pub(crate) struct Served {
+    /// The bound address.
+    pub(crate) address: SocketAddr,
+    signals: Arc<Signals>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Served {
+    /// Serves `metrics` at `listen` until the returned guard is dropped.
+    pub(crate) fn start(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<Self, EngineError> {
+        let signals = Arc::new(Signals::default());
+        let (address, handle) = serve(listen, metrics, Arc::clone(&signals))?;
+        Ok(Self {
+            address,
+            signals,
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.signals.stop();
+        if let Some(handle) = self.handle.take() {
+            let _joined = handle.join();
+        }
+    }
+}
+
 /// Reads one request (bounded: 8 KiB, 2 s) and answers it.
 fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
@@ -312,6 +360,25 @@ mod tests {
         assert!(get(address, "/other").starts_with("HTTP/1.1 404"));
         signals.stop();
         handle.join().unwrap();
+    }
+
+    #[test]
+    fn a_node_serves_its_own_tasks_labelled_with_the_node() {
+        let metrics = Metrics::for_node(NodeId(2), &[TaskId(2), TaskId(4)]);
+        metrics
+            .records_of(TaskId(4))
+            .fetch_add(3, Ordering::Relaxed);
+        let text = metrics.render();
+        assert!(
+            text.contains("stillpoint_task_records_total{task=\"4\",node=\"2\"} 3"),
+            "{text}"
+        );
+        assert!(!text.contains("task=\"1\""), "{text}");
+        // Checkpoints are the coordinator's to report.
+        assert!(
+            !text.contains("stillpoint_checkpoints_completed_total"),
+            "{text}"
+        );
     }
 
     #[test]
