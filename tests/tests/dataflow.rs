@@ -187,6 +187,11 @@ fn a_restore_rescales_the_hash_fed_and_the_broadcast_stages() {
             witnesses.0 as usize,
             witnesses.1 as usize,
         );
+        // The old sinks' transactions were settled, whatever their task ids now are.
+        let pending: Vec<_> = std::fs::read_dir(dir.path().join("out/pending"))
+            .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+            .unwrap_or_default();
+        assert!(pending.is_empty(), "left pending: {pending:?}");
     }
 }
 

@@ -1093,7 +1093,15 @@ impl NodeState<'_> {
                 }
             }
         };
-        match self.build(g, &local, restore.as_ref(), writer) {
+        // A rescaled restore settles the old sinks' transactions first; every node
+        // does (idempotently) before it reports ready, so before any new checkpoint.
+        let settled = match &restore {
+            Some(restore) if !restore.same_shape(self.topology) => {
+                self.flow.settle_sinks(restore.manifest.checkpoint)
+            }
+            _ => Ok(()),
+        };
+        match settled.and_then(|()| self.build(g, &local, restore.as_ref(), writer)) {
             Ok(generation) => {
                 let _closed = writer.send(Envelope::Engine(EngineMessage::Ready { generation: g }));
                 tracing::info!(node = %self.node, generation = g, tasks = local.len(), "generation running");
