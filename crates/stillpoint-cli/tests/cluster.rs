@@ -13,8 +13,31 @@ mod support;
 use std::time::{Duration, Instant};
 
 use std::io::{Read, Write};
+use std::path::Path;
+use std::process::Child;
 
 use support::{expected, free_port, spawn, wait_up_to, write_word_count_job};
+
+/// Waits (up to 180 s) for the coordinator to end the job and every node to exit,
+/// all successfully; returns the coordinator's log. On a timeout kills them all.
+fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path) -> String {
+    let Some(status) = wait_up_to(coordinator, Duration::from_secs(180)) else {
+        let _ = coordinator.kill();
+        for node in nodes.iter_mut() {
+            let _ = node.kill();
+        }
+        panic!(
+            "the cluster did not finish in 180 s; coordinator log:\n{}",
+            std::fs::read_to_string(log).unwrap()
+        );
+    };
+    let text = std::fs::read_to_string(log).unwrap();
+    assert!(status.success(), "coordinator failed:\n{text}");
+    for node in nodes {
+        assert!(node.wait().unwrap().success(), "a node failed");
+    }
+    text
+}
 
 /// The body of `GET /metrics` on a local port.
 fn scrape(port: u16) -> String {
@@ -44,7 +67,7 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     );
     let logs = dir.path();
     let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
-    let mut node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));
+    let node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));
     let mut node2 = spawn(&["node", "--node", "2"], &job, &logs.join("node2.log"));
     // Kill node 2 once a checkpoint has been committed, then start it again.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -84,24 +107,16 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     std::thread::sleep(Duration::from_millis(150));
     node2.kill().unwrap(); // SIGKILL
     node2.wait().unwrap();
-    let mut node2 = spawn(
+    let node2 = spawn(
         &["node", "--node", "2"],
         &job,
         &logs.join("node2-restarted.log"),
     );
-    let Some(status) = wait_up_to(&mut coordinator, Duration::from_secs(180)) else {
-        let _ = coordinator.kill();
-        let _ = node1.kill();
-        let _ = node2.kill();
-        panic!(
-            "the cluster did not finish in 180 s; coordinator log:\n{}",
-            std::fs::read_to_string(logs.join("coordinator.log")).unwrap()
-        );
-    };
-    let log = std::fs::read_to_string(logs.join("coordinator.log")).unwrap();
-    assert!(status.success(), "coordinator failed:\n{log}");
-    assert!(node1.wait().unwrap().success());
-    assert!(node2.wait().unwrap().success());
+    let log = finish(
+        &mut coordinator,
+        &mut [node1, node2],
+        &logs.join("coordinator.log"),
+    );
     assert!(
         log.contains("failing over"),
         "the kill was not seen:\n{log}"
@@ -184,21 +199,11 @@ fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
         spawn(&["node", "--node", "1"], &job, &logs.join("node1-2.log")),
         spawn(&["node", "--node", "2"], &job, &logs.join("node2-2.log")),
     ];
-    let Some(status) = wait_up_to(&mut coordinator, Duration::from_secs(180)) else {
-        let _ = coordinator.kill();
-        for node in &mut nodes {
-            let _ = node.kill();
-        }
-        panic!(
-            "the rescaled cluster did not finish in 180 s; coordinator log:\n{}",
-            std::fs::read_to_string(logs.join("coordinator-2.log")).unwrap()
-        );
-    };
-    let log = std::fs::read_to_string(logs.join("coordinator-2.log")).unwrap();
-    assert!(status.success(), "coordinator failed:\n{log}");
-    for node in &mut nodes {
-        assert!(node.wait().unwrap().success());
-    }
+    let log = finish(
+        &mut coordinator,
+        &mut nodes,
+        &logs.join("coordinator-2.log"),
+    );
     assert!(
         log.contains("resuming from checkpoint") && log.contains("→ 4 counters"),
         "the second run did not restore:\n{log}"
