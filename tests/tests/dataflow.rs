@@ -20,11 +20,14 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use stillpoint::{
     CachedState, Dataflow, EngineError, GeneratedWords, KeyedCount, KeyedState, Operator,
-    Partitioning, Record, Source, TransactionalFileSink, read_committed, run_word_count,
+    Partitioning, Persist, Record, Sink, Source, TransactionalFileSink, read_committed,
+    run_word_count,
 };
 use support::{config, crash_loop};
 
@@ -239,4 +242,80 @@ fn a_restore_cannot_change_the_stages_or_the_sources() {
             .contains("taken with 2 sources, the job has 3"),
         "{error}"
     );
+}
+
+/// A sink whose first pre-commit cannot be made durable (a full disk, say).
+struct FailsOnce {
+    inner: TransactionalFileSink,
+    fail: Arc<AtomicBool>,
+}
+
+impl Sink for FailsOnce {
+    fn write(&mut self, record: Record) -> Result<(), EngineError> {
+        self.inner.write(record)
+    }
+
+    fn pre_commit(
+        &mut self,
+        checkpoint: stillpoint_wire::CheckpointId,
+    ) -> Result<Option<Persist>, EngineError> {
+        let persist = self.inner.pre_commit(checkpoint)?;
+        if self.fail.swap(false, Ordering::SeqCst) {
+            return Ok(Some(Box::new(|| {
+                Err(EngineError::Invalid("injected: no space left".into()))
+            })));
+        }
+        Ok(persist)
+    }
+
+    fn commit(&mut self, checkpoint: stillpoint_wire::CheckpointId) -> Result<(), EngineError> {
+        self.inner.commit(checkpoint)
+    }
+
+    fn recover(
+        &mut self,
+        restored: Option<stillpoint_wire::CheckpointId>,
+    ) -> Result<(), EngineError> {
+        self.inner.recover(restored)
+    }
+}
+
+#[test]
+fn a_pre_commit_that_cannot_be_made_durable_fails_the_job_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path());
+    let words = 20_000;
+    let fail = Arc::new(AtomicBool::new(true));
+    let out = dir.path().join("out");
+    let flow = {
+        let (fail, out) = (Arc::clone(&fail), out.clone());
+        Dataflow::source("words", 2, move |index| {
+            Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
+        })
+        .operator("count", 2, Partitioning::Hash, |_| {
+            Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+        })
+        .sink("publish", 2, Partitioning::Forward, move |task| {
+            Ok(Box::new(FailsOnce {
+                inner: TransactionalFileSink::new(&out, task),
+                fail: Arc::clone(&fail),
+            }) as Box<dyn Sink>)
+        })
+    };
+    let error = run_word_count(&config, &flow, None).unwrap_err();
+    assert!(
+        error.to_string().contains("could not be made durable")
+            && error.to_string().contains("injected: no space left"),
+        "{error}"
+    );
+    run_word_count(&config, &flow, None).unwrap();
+    let mut published = read_committed(&out).unwrap();
+    published.sort();
+    let mut expected: Vec<(String, String)> = totals(words)
+        .into_iter()
+        .flat_map(|(word, n)| (1..=n).map(move |k| (word.clone(), k.to_string())))
+        .collect();
+    expected.sort();
+    assert_eq!(published.len(), expected.len(), "lost or duplicated");
+    assert_eq!(published, expected);
 }

@@ -76,12 +76,17 @@ pub(crate) struct ExportJob {
     pub(crate) sync_micros: u64,
     pub(crate) alignment_micros: u64,
     pub(crate) started: Instant,
+    /// A sink's pre-commit, made durable before the snapshot is reported.
+    pub(crate) persist: Option<crate::Persist>,
 }
 
 /// The export thread's verdict.
 pub(crate) enum ExportOutcome {
     Done(CheckpointId, SnapshotReport),
     Failed(CheckpointId, String),
+    /// The sink's transaction could not be made durable: its records are lost to
+    /// this run, so the task must fail (the job restores and replays them).
+    PersistFailed(CheckpointId, String),
 }
 
 /// Runs export jobs: the RocksDB write of the frozen set, flush, checkpoint and the
@@ -93,8 +98,22 @@ pub(crate) fn export_loop(
     runtime: tokio::runtime::Handle,
     node: NodeId,
 ) {
-    for job in jobs {
+    for mut job in jobs {
         let checkpoint = job.checkpoint;
+        if let Some(persist) = job.persist.take() {
+            if let Err(error) = persist() {
+                tracing::error!(%checkpoint, %error, "the sink's pre-commit could not be made durable");
+                // The state export still writes its frozen batch when dropped.
+                drop(job);
+                if results
+                    .send(ExportOutcome::PersistFailed(checkpoint, error.to_string()))
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
+        }
         let outcome = (|| -> Result<SnapshotReport, EngineError> {
             let exported = job.job.run()?;
             let uploaded = runtime.block_on(store.upload_snapshot(
@@ -284,6 +303,12 @@ impl TaskDriver {
             ExportOutcome::Failed(checkpoint, reason) => {
                 self.machine
                     .handle_snapshot_failed(now, checkpoint, &reason);
+            }
+            ExportOutcome::PersistFailed(checkpoint, reason) => {
+                return Err(EngineError::Failed(format!(
+                    "{}: the pre-commit of {checkpoint} could not be made durable ({reason}); its records are replayed from the last checkpoint",
+                    self.task
+                )));
             }
         }
         self.apply_actions()
@@ -510,16 +535,18 @@ impl TaskDriver {
             .take()
             .map_or(0, |since| micros(since.elapsed()));
         let mut source_offset = None;
+        let mut persist = None;
         match &mut self.role {
             Role::Source(source) => source_offset = Some(source.offset()),
-            Role::Sink(sink) => {
-                if let Err(error) = sink.pre_commit(checkpoint) {
+            Role::Sink(sink) => match sink.pre_commit(checkpoint) {
+                Ok(durable) => persist = durable,
+                Err(error) => {
                     tracing::warn!(%checkpoint, %error, "pre-commit failed");
                     self.machine
                         .handle_snapshot_failed(self.now(), checkpoint, &error.to_string());
                     return Ok(());
                 }
-            }
+            },
             Role::Operator(_) => {}
         }
         let job = self
@@ -534,6 +561,7 @@ impl TaskDriver {
                 sync_micros,
                 alignment_micros,
                 started,
+                persist,
             })
             .map_err(|_| EngineError::Stopped(format!("the export thread of {}", self.task)))
     }

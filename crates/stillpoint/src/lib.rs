@@ -62,8 +62,8 @@ pub use job::{
 pub use metrics::Metrics;
 pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};
 pub use pipeline::{
-    COUNTS, FileSinkFactory, GeneratedWords, KeyedCount, Operator, Sink, Source, SourcePoll,
-    TransactionalFileSink, read_committed, recover_transactions,
+    COUNTS, FileSinkFactory, GeneratedWords, KeyedCount, Operator, Persist, Sink, Source,
+    SourcePoll, TransactionalFileSink, read_committed, recover_transactions,
 };
 pub use record::{BatchError, Record, decode_batch, encode_batch};
 pub use sources::{FileLines, LogDir, MAX_LINE_BYTES};

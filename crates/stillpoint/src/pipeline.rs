@@ -45,15 +45,23 @@ pub trait Operator: Send {
     ) -> Result<(), EngineError>;
 }
 
+/// The durable half of a pre-commit, run on the task's export thread: the task never
+/// waits for the disk at a barrier, and the checkpoint cannot complete before it has
+/// run. If it fails the transaction's records are gone from memory, so the task fails
+/// and the job restores (they are replayed), never a silent loss.
+pub type Persist = Box<dyn FnOnce() -> Result<(), EngineError> + Send>;
+
 /// An exactly-once sink: output is written into a transaction per checkpoint,
 /// pre-committed (made durable but invisible) at the barrier and committed when the
 /// checkpoint completes.
 pub trait Sink: Send {
     /// Adds a record to the open transaction.
     fn write(&mut self, record: Record) -> Result<(), EngineError>;
-    /// Makes the open transaction durable as transaction `checkpoint` (still
-    /// invisible), and opens the next one.
-    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError>;
+    /// Closes the open transaction as transaction `checkpoint` (still invisible) and
+    /// opens the next one; returns the work that makes it durable ([`Persist`]), or
+    /// `None` when closing it already did. An error here fails the checkpoint and
+    /// keeps the records in the open transaction.
+    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<Option<Persist>, EngineError>;
     /// Publishes every pre-committed transaction up to and including `checkpoint`.
     /// Idempotent.
     fn commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError>;
@@ -253,21 +261,23 @@ impl Sink for TransactionalFileSink {
         Ok(())
     }
 
-    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
-        use std::io::Write;
+    fn pre_commit(&mut self, checkpoint: CheckpointId) -> Result<Option<Persist>, EngineError> {
         let dir = self.dir.join("pending");
-        std::fs::create_dir_all(&dir).map_err(|e| EngineError::io("create", &dir, &e))?;
         let target = dir.join(self.name(checkpoint));
         let staging = dir.join(format!(".{}.tmp", self.name(checkpoint)));
-        let mut file =
-            std::fs::File::create(&staging).map_err(|e| EngineError::io("create", &staging, &e))?;
-        file.write_all(&self.open)
-            .and_then(|()| file.sync_all())
-            .map_err(|e| EngineError::io("write", &staging, &e))?;
-        std::fs::rename(&staging, &target).map_err(|e| EngineError::io("rename", &staging, &e))?;
-        sync_dir(&dir)?;
-        self.open.clear();
-        Ok(())
+        let contents = std::mem::take(&mut self.open);
+        Ok(Some(Box::new(move || {
+            use std::io::Write;
+            std::fs::create_dir_all(&dir).map_err(|e| EngineError::io("create", &dir, &e))?;
+            let mut file = std::fs::File::create(&staging)
+                .map_err(|e| EngineError::io("create", &staging, &e))?;
+            file.write_all(&contents)
+                .and_then(|()| file.sync_all())
+                .map_err(|e| EngineError::io("write", &staging, &e))?;
+            std::fs::rename(&staging, &target)
+                .map_err(|e| EngineError::io("rename", &staging, &e))?;
+            sync_dir(&dir)
+        })))
     }
 
     fn commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
