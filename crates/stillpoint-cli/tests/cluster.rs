@@ -19,8 +19,9 @@ use std::process::Child;
 use support::{expected, free_port, spawn, wait_up_to, write_word_count_job};
 
 /// Waits (up to 180 s) for the coordinator to end the job and every node to exit,
-/// all successfully; returns the coordinator's log. On a timeout kills them all.
-fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path) -> String {
+/// all successfully; returns the coordinator's log. On a timeout kills them all. A
+/// failed node's log (`node_logs`, in the order of `nodes`) is in the panic message.
+fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path, node_logs: &[&Path]) -> String {
     let Some(status) = wait_up_to(coordinator, Duration::from_secs(180)) else {
         let _ = coordinator.kill();
         for node in nodes.iter_mut() {
@@ -33,8 +34,13 @@ fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path) -> String {
     };
     let text = std::fs::read_to_string(log).unwrap();
     assert!(status.success(), "coordinator failed:\n{text}");
-    for node in nodes {
-        assert!(node.wait().unwrap().success(), "a node failed");
+    for (node, node_log) in nodes.iter_mut().zip(node_logs) {
+        assert!(
+            node.wait().unwrap().success(),
+            "node {} failed:\n{}",
+            node_log.display(),
+            std::fs::read_to_string(node_log).unwrap_or_default()
+        );
     }
     text
 }
@@ -116,6 +122,7 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
         &mut coordinator,
         &mut [node1, node2],
         &logs.join("coordinator.log"),
+        &[&logs.join("node1.log"), &logs.join("node2-restarted.log")],
     );
     assert!(
         log.contains("failing over"),
@@ -203,6 +210,7 @@ fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
         &mut coordinator,
         &mut nodes,
         &logs.join("coordinator-2.log"),
+        &[&logs.join("node1-2.log"), &logs.join("node2-2.log")],
     );
     assert!(
         log.contains("resuming from checkpoint") && log.contains("→ 4 counters"),

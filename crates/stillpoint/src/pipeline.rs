@@ -301,6 +301,7 @@ impl Sink for TransactionalFileSink {
 
     fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError> {
         self.open.clear();
+        remove_staging(&self.dir, Some(self.task))?;
         if let Some(checkpoint) = restored {
             self.commit(checkpoint)?;
         }
@@ -313,10 +314,50 @@ impl Sink for TransactionalFileSink {
     }
 }
 
+/// The task whose transaction a staging file of `pending/` holds (`.<checkpoint>-task-
+/// <t>.txt.tmp`: a pre-commit a crash interrupted before its rename), or `None` for
+/// any other name.
+fn staging_task(name: &str) -> Option<TaskId> {
+    let (_, task) = name
+        .strip_prefix('.')?
+        .strip_suffix(".txt.tmp")?
+        .split_once("-task-")?;
+    task.parse().ok().map(TaskId)
+}
+
+/// Removes the staging files of interrupted pre-commits (of `task`, or of every task):
+/// such a transaction was never pre-committed, so its records are replayed from the
+/// restored checkpoint.
+fn remove_staging(dir: &Path, task: Option<TaskId>) -> Result<(), EngineError> {
+    let pending = dir.join("pending");
+    let entries = match std::fs::read_dir(&pending) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(EngineError::io("list", &pending, &e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(owner) = staging_task(&name) else {
+            continue;
+        };
+        if task.is_none_or(|t| t == owner) {
+            let path = entry.path();
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(EngineError::io("remove", &path, &e)),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// After a restore that changed the sinks (a rescale): publishes every task's
 /// pre-committed transactions up to `restored` and rolls back every later one,
-/// whichever task wrote them.
+/// whichever task wrote them, and removes every interrupted pre-commit's staging file.
 pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), EngineError> {
+    remove_staging(dir, None)?;
     let pending = dir.join("pending");
     let entries = match std::fs::read_dir(&pending) {
         Ok(entries) => entries,
@@ -369,4 +410,80 @@ pub fn read_committed(dir: &Path) -> Result<Vec<(String, String)>, EngineError> 
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A pre-commit of checkpoint `id` by `task` that a crash cut off before its
+    /// rename, and one that completed.
+    fn interrupted(dir: &Path, task: u32, id: u64) {
+        let pending = dir.join("pending");
+        std::fs::create_dir_all(&pending).unwrap();
+        let name = format!("{id:020}-task-{task}.txt");
+        std::fs::write(pending.join(format!(".{name}.tmp")), "half\n").unwrap();
+    }
+
+    fn pre_committed(dir: &Path, task: u32, id: u64, line: &str) {
+        let mut sink = TransactionalFileSink::new(dir, TaskId(task));
+        sink.write(Record::new(line.to_owned(), "1")).unwrap();
+        let persist = sink.pre_commit(CheckpointId(id)).unwrap().unwrap();
+        persist().unwrap();
+    }
+
+    #[test]
+    fn staging_names_are_recognised_and_nothing_else() {
+        for (name, task) in [
+            (".00000000000000000002-task-7.txt.tmp", Some(7)),
+            ("00000000000000000002-task-7.txt", None),
+            (".00000000000000000002-task-x.txt.tmp", None),
+            (".notes.tmp", None),
+        ] {
+            assert_eq!(staging_task(name), task.map(TaskId), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_sink_recovering_removes_its_interrupted_pre_commits_only() {
+        let dir = tempfile::tempdir().unwrap();
+        pre_committed(dir.path(), 1, 1, "a");
+        interrupted(dir.path(), 1, 2);
+        interrupted(dir.path(), 2, 2);
+        let mut sink = TransactionalFileSink::new(dir.path(), TaskId(1));
+        sink.recover(Some(CheckpointId(1))).unwrap();
+        assert_eq!(
+            names(&dir.path().join("pending")),
+            [".00000000000000000002-task-2.txt.tmp"]
+        );
+        assert_eq!(
+            read_committed(dir.path()).unwrap(),
+            [("a".to_owned(), "1".to_owned())]
+        );
+    }
+
+    #[test]
+    fn settling_a_rescaled_sink_stage_leaves_nothing_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        pre_committed(dir.path(), 6, 2, "kept");
+        pre_committed(dir.path(), 7, 3, "rolled back");
+        interrupted(dir.path(), 7, 3);
+        recover_transactions(dir.path(), CheckpointId(2)).unwrap();
+        assert!(names(&dir.path().join("pending")).is_empty());
+        assert_eq!(
+            read_committed(dir.path()).unwrap(),
+            [("kept".to_owned(), "1".to_owned())]
+        );
+    }
 }
