@@ -6,18 +6,20 @@
 //!   checkpoint every second ÷ with checkpoints off (an interval longer than the run;
 //!   the final checkpoint of a bounded job is taken either way);
 //! - P2 `engine.stall_p99`: per checkpoint, the longest alignment plus the longest
-//!   synchronous snapshot of any task;
+//!   synchronous snapshot of any task, on the large state a load built and the run
+//!   restored (≈ 1 GiB at full size: `load_words` per source over `load_vocabulary`);
 //! - P3 `engine.upload_vs_state_1pct`: bytes uploaded per checkpoint ÷ the state's
 //!   size, once the state is loaded and only 1 % of its keys keep changing;
 //! - `engine.checkpoint_duration_p99_{4,16,64}_tasks`: trigger → commit;
-//! - P10 `engine.shortest_sustained_interval`: with 16 tasks, the shortest interval of
+//! - P10 `engine.shortest_sustained_interval`: with 16 tasks on the loaded state
+//!   (restored rescaled to 7 counters), the shortest interval of
 //!   1000, 500, 250, 100, 50 ms at which every checkpoint commits before the next
 //!   trigger and throughput stays ≥ 0.95 of checkpoints off.
 //!
 //! Without `--bench` (how `cargo test` runs bench targets) it is a smoke run at tiny
 //! sizes that checks every figure is produced; `--quick` (`cargo xtask bench --quick`)
 //! uses smaller inputs than the full run. `STILLPOINT_BENCH_ENGINE_WORDS` overrides the
-//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,peer,p3,durations,p10` runs a subset.
+//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10` runs a subset.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -57,6 +59,10 @@ struct Sizes {
     p3_updates: u64,
     /// The interval standing for "every second" (shorter in the smoke run).
     interval: Duration,
+    /// Words per source and distinct words of the load that builds the large state
+    /// P2 and P10 run on.
+    load_words: u64,
+    load_vocabulary: u32,
 }
 
 impl Sizes {
@@ -72,6 +78,8 @@ impl Sizes {
                 p3_keys: 20_000,
                 p3_updates: 20_000,
                 interval: Duration::from_millis(100),
+                load_words: 20_000,
+                load_vocabulary: 40_000,
             },
             Mode::Quick => Self {
                 words: words.unwrap_or(3_000_000),
@@ -80,6 +88,8 @@ impl Sizes {
                 p3_keys: 2_000_000,
                 p3_updates: 3_000_000,
                 interval: Duration::from_secs(1),
+                load_words: 5_000_000,
+                load_vocabulary: 10_000_000,
             },
             Mode::Full => Self {
                 words: words.unwrap_or(10_000_000),
@@ -88,6 +98,8 @@ impl Sizes {
                 p3_keys: 10_000_000,
                 p3_updates: 10_000_000,
                 interval: Duration::from_secs(1),
+                load_words: 40_000_000,
+                load_vocabulary: 80_000_000,
             },
         }
     }
@@ -160,22 +172,13 @@ fn periodic(checkpoints: &[CheckpointStats]) -> &[CheckpointStats] {
     checkpoints.split_last().map_or(&[], |(_, rest)| rest)
 }
 
-fn p1_p2(dir: &Path, sizes: &Sizes) {
+fn p1(dir: &Path, sizes: &Sizes) {
     let job = generated(3, sizes.words, sizes.vocabulary);
     let records = 2 * sizes.words;
     let (mut on, mut off) = (Vec::new(), Vec::new());
-    let (mut stalls, mut alignments, mut syncs) = (Vec::new(), Vec::new(), Vec::new());
-    let mut state = 0;
     for _ in 0..sizes.repeats {
         off.push(run(dir, &job, OFF, records).rate);
-        let with = run(dir, &job, sizes.interval, records);
-        on.push(with.rate);
-        for c in &with.checkpoints {
-            stalls.push((c.max_alignment_micros + c.max_sync_micros) as f64 / 1e3);
-            alignments.push(c.max_alignment_micros as f64 / 1e3);
-            syncs.push(c.max_sync_micros as f64 / 1e3);
-            state = state.max(c.state_bytes);
-        }
+        on.push(run(dir, &job, sizes.interval, records).rate);
     }
     let (on, off) = (median(on), median(off));
     figure(&format!(
@@ -186,14 +189,117 @@ fn p1_p2(dir: &Path, sizes: &Sizes) {
         on,
         off
     ));
+}
+
+/// A store holding the word count's final checkpoint after a load of `load_words`
+/// draws per source over `load_vocabulary` words (3 counters): the large state P2
+/// and P10 start from (≈ 1 GiB at full size).
+struct Loaded {
+    store: PathBuf,
+    state_bytes: u64,
+}
+
+fn load(dir: &Path, sizes: &Sizes) -> Loaded {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    let mut config = JobConfig::new(dir.join("work"));
+    config.checkpoint_interval = OFF;
+    let job = loaded_job(3, sizes, 0, dir);
+    let report = stillpoint::run(&config, &job, RunOptions::default()).unwrap();
+    Loaded {
+        store: dir.join("work/store"),
+        state_bytes: report.checkpoints.last().map_or(0, |c| c.state_bytes),
+    }
+}
+
+/// The loaded word count continued for `words` more words per source.
+fn loaded_job(aggregators: u32, sizes: &Sizes, words: u64, dir: &Path) -> WordCount {
+    WordCount {
+        sources: 2,
+        aggregators,
+        input: WordInput::Generated {
+            words_per_source: sizes.load_words + words,
+            vocabulary: sizes.load_vocabulary,
+            seed: 42,
+        },
+        output: dir.join("out"),
+    }
+}
+
+/// Copies a store; snapshot files (immutable) are hard-linked.
+fn copy_store(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let (source, target) = (entry.path(), to.join(entry.file_name()));
+        if entry.file_type().unwrap().is_dir() {
+            copy_store(&source, &target);
+        } else if source.components().any(|c| c.as_os_str() == "shared") {
+            std::fs::hard_link(&source, &target).unwrap();
+        } else if entry.file_name() != "finished.json" {
+            std::fs::copy(&source, &target).unwrap();
+        }
+    }
+}
+
+/// Restores the loaded state (rescaled to `aggregators` counters) and runs `words`
+/// more words per source; the rate counts from the end of the restore.
+fn run_loaded(
+    dir: &Path,
+    loaded: &Loaded,
+    sizes: &Sizes,
+    aggregators: u32,
+    interval: Duration,
+    words: u64,
+) -> Run {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    copy_store(&loaded.store, &dir.join("store"));
+    let mut config = JobConfig::new(dir.join("work"));
+    config.store = Some(format!("file://{}", dir.join("store").display()));
+    config.checkpoint_interval = interval;
+    let job = loaded_job(aggregators, sizes, words, dir);
+    let restored = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let mark = std::sync::Arc::clone(&restored);
+    let options = RunOptions {
+        on_start: Some(Box::new(move |report| {
+            assert!(
+                report.restored_from.is_some(),
+                "the loaded state was not restored"
+            );
+            *mark.lock().unwrap() = Some(Instant::now());
+        })),
+        ..RunOptions::default()
+    };
+    let report = stillpoint::run(&config, &job, options).unwrap();
+    let started = restored.lock().unwrap().unwrap();
+    let elapsed = started.elapsed().as_secs_f64();
+    std::fs::remove_dir_all(dir).unwrap();
+    Run {
+        rate: (2 * words) as f64 / elapsed,
+        checkpoints: report.checkpoints,
+    }
+}
+
+fn p2(dir: &Path, sizes: &Sizes, loaded: &Loaded) {
+    let (mut stalls, mut alignments, mut syncs) = (Vec::new(), Vec::new(), Vec::new());
+    // One run: tens of checkpoints, each over the whole loaded state.
+    let result = run_loaded(dir, loaded, sizes, 3, sizes.interval, sizes.words);
+    for c in periodic(&result.checkpoints) {
+        stalls.push((c.max_alignment_micros + c.max_sync_micros) as f64 / 1e3);
+        alignments.push(c.max_alignment_micros as f64 / 1e3);
+        syncs.push(c.max_sync_micros as f64 / 1e3);
+    }
     figure(&format!(
-        "engine.stall_p99 = {:.2} ms goal <= 10 (alignment + synchronous snapshot, longest task per checkpoint, {} checkpoints, p50 {:.2} ms; alignment p99 {:.2} ms, synchronous part p99 {:.2} ms; state up to {:.1} MiB)",
+        "engine.stall_p99 = {:.2} ms goal <= 10 (alignment + synchronous snapshot, longest task per checkpoint, {} checkpoints, p50 {:.2} ms; alignment p99 {:.2} ms, synchronous part p99 {:.2} ms; word count 2 → 3 → 3 tasks on {:.1} MiB of restored state)",
         percentile(&stalls, 99),
         stalls.len(),
         percentile(&stalls, 50),
         percentile(&alignments, 99),
         percentile(&syncs, 99),
-        state as f64 / f64::from(1 << 20)
+        loaded.state_bytes as f64 / f64::from(1 << 20)
     ));
 }
 
@@ -282,15 +388,15 @@ fn durations(dir: &Path, sizes: &Sizes) {
     }
 }
 
-fn p10(dir: &Path, sizes: &Sizes) {
-    let job = generated(7, sizes.words, sizes.vocabulary);
-    let records = 2 * sizes.words;
-    let off = run(dir, &job, OFF, records).rate;
+fn p10(dir: &Path, sizes: &Sizes, loaded: &Loaded) {
+    // 16 tasks: 2 sources, 7 counters, 7 sinks, on the loaded state rescaled to 7.
+    let words = sizes.words / 2;
+    let off = run_loaded(dir, loaded, sizes, 7, OFF, words).rate;
     let mut shortest = None;
     let mut tried = Vec::new();
     for millis in [1000u64, 500, 250, 100, 50] {
         let interval = Duration::from_millis(millis);
-        let result = run(dir, &job, interval, records);
+        let result = run_loaded(dir, loaded, sizes, 7, interval, words);
         let periodic = periodic(&result.checkpoints);
         let late = periodic
             .iter()
@@ -307,8 +413,9 @@ fn p10(dir: &Path, sizes: &Sizes) {
         shortest = Some(millis);
     }
     figure(&format!(
-        "engine.shortest_sustained_interval = {} ms goal <= 100 (16 tasks, file://; {})",
+        "engine.shortest_sustained_interval = {} ms goal <= 100 (16 tasks, file://, {:.1} MiB of restored state; {})",
         shortest.map_or(f64::INFINITY, |m| m as f64),
+        loaded.state_bytes as f64 / f64::from(1 << 20),
         tried.join("; ")
     ));
 }
@@ -356,11 +463,20 @@ fn main() {
     let sizes = Sizes::of(mode);
     let dir = tempfile::tempdir().unwrap();
     let scratch = dir.path().join("run");
-    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,peer,p3,durations,p10` runs a subset (profiling).
+    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10` runs a subset (profiling).
     let only = std::env::var("STILLPOINT_BENCH_ENGINE_ONLY").unwrap_or_default();
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|n| n == name);
     if wanted("p1") {
-        p1_p2(&scratch, &sizes);
+        p1(&scratch, &sizes);
+    }
+    if wanted("p2") || wanted("p10") {
+        let loaded = load(&dir.path().join("load"), &sizes);
+        if wanted("p2") {
+            p2(&scratch, &sizes, &loaded);
+        }
+        if wanted("p10") {
+            p10(&scratch, &sizes, &loaded);
+        }
     }
     if wanted("peer") {
         peer_job(&scratch, &sizes);
@@ -370,8 +486,5 @@ fn main() {
     }
     if wanted("durations") {
         durations(&scratch, &sizes);
-    }
-    if wanted("p10") {
-        p10(&scratch, &sizes);
     }
 }
