@@ -13,7 +13,7 @@ mod support;
 
 use std::time::Duration;
 
-use stillpoint::{WordCount, WordInput, run_word_count};
+use stillpoint::{RunOptions, StopHandle, WordCount, WordInput, run_word_count};
 use support::{committed_output, config, crash_loop, expected_output, percentile};
 
 fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {
@@ -172,4 +172,61 @@ fn a_restore_with_other_counter_parallelism_rescales_by_key_group() {
             "{before} → {after} counters"
         );
     }
+}
+
+/// Stop with a savepoint (`StopHandle::stop_with_savepoint`, the CLI's
+/// `--savepoint-on-stop`): the run ends on a savepoint before its input does;
+/// retention keeps it past newer checkpoints; a run with another counter parallelism
+/// restores it and publishes exactly the failure-free output.
+#[test]
+fn a_stop_with_savepoint_ends_on_a_savepoint_that_restores_rescaled() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path());
+    let mut job = job(dir.path(), 400_000);
+    let stop = StopHandle::new();
+    let pull = stop.clone();
+    let options = RunOptions {
+        stop,
+        on_checkpoint: Some(Box::new(move |stats| {
+            if stats.checkpoint >= 2 {
+                pull.stop_with_savepoint();
+            }
+        })),
+        ..RunOptions::default()
+    };
+    let report = stillpoint::run(&config, &job, options).unwrap();
+    let last = report.checkpoints.last().unwrap();
+    assert_eq!(last.kind, "savepoint", "{report:?}");
+    assert!(
+        report
+            .checkpoints
+            .iter()
+            .rev()
+            .skip(1)
+            .all(|c| c.kind == "checkpoint"),
+        "one savepoint, the last: {report:?}"
+    );
+    assert!(
+        committed_output(&job).len() < expected_output(&job).len(),
+        "the run was to stop before its input ended"
+    );
+
+    job.aggregators = 2;
+    let report = run_word_count(&config, &job, None).unwrap();
+    assert_eq!(
+        report.restored_from.map(|id| id.get()),
+        Some(last.checkpoint)
+    );
+    assert!(report.checkpoints.len() > config.retention.keep_last);
+    assert_eq!(committed_output(&job), expected_output(&job));
+    let committed = |id: u64| {
+        dir.path()
+            .join(format!("work/store/checkpoints/{id:020}/_checkpoint.json"))
+            .exists()
+    };
+    assert!(!committed(1), "retention kept an old periodic checkpoint");
+    assert!(
+        committed(last.checkpoint),
+        "retention deleted the savepoint"
+    );
 }

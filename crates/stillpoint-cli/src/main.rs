@@ -71,11 +71,18 @@ enum Command {
         /// Work under this directory instead of the job's `work_dir`.
         #[arg(long)]
         data: Option<PathBuf>,
+        /// On Ctrl-C, stop with a savepoint instead of a checkpoint: it is kept until
+        /// deleted, and a later run may restore it with other parallelisms.
+        #[arg(long)]
+        savepoint_on_stop: bool,
     },
     /// Runs the coordinator of a cluster job (`[cluster]` in the job file).
     Coordinator {
         /// The job file.
         job: PathBuf,
+        /// On Ctrl-C, stop with a savepoint instead of a checkpoint.
+        #[arg(long)]
+        savepoint_on_stop: bool,
     },
     /// Runs one node of a cluster job.
     Node {
@@ -123,8 +130,15 @@ fn stdout_failed(error: &std::io::Error) -> ! {
 
 fn dispatch(command: Command) -> Result<ExitCode> {
     match command {
-        Command::Run { job, data } => run(job.as_deref(), data),
-        Command::Coordinator { job } => coordinator(&job),
+        Command::Run {
+            job,
+            data,
+            savepoint_on_stop,
+        } => run(job.as_deref(), data, savepoint_on_stop),
+        Command::Coordinator {
+            job,
+            savepoint_on_stop,
+        } => coordinator(&job, savepoint_on_stop),
         Command::Node { job, node } => {
             let loaded = Job::load(&job)?;
             stillpoint::run_node(&loaded.config, &loaded.pipeline, NodeId(node))
@@ -168,16 +182,22 @@ fn describe(job: &Job) -> String {
     )
 }
 
-/// Ctrl-C (or SIGTERM) pulls the stop once; a second one exits at once.
-fn stop_on_signal(stop: StopHandle) -> Result<()> {
+/// Ctrl-C (or SIGTERM) pulls the stop once (with a savepoint if `savepoint`); a second
+/// one exits at once.
+fn stop_on_signal(stop: StopHandle, savepoint: bool) -> Result<()> {
     let pulled = Arc::new(AtomicBool::new(false));
     ctrlc::set_handler(move || {
         if pulled.swap(true, Ordering::SeqCst) {
             eprintln!("stillpoint: stopping now; the next run resumes from the last checkpoint");
             std::process::exit(130);
         }
-        eprintln!("stillpoint: stopping after a final checkpoint (Ctrl-C again to stop now)");
-        stop.stop();
+        if savepoint {
+            eprintln!("stillpoint: stopping after a savepoint (Ctrl-C again to stop now)");
+            stop.stop_with_savepoint();
+        } else {
+            eprintln!("stillpoint: stopping after a final checkpoint (Ctrl-C again to stop now)");
+            stop.stop();
+        }
     })
     .context("cannot install the Ctrl-C handler")
 }
@@ -208,11 +228,12 @@ fn print_checkpoint(stats: &CheckpointStats) {
     );
 }
 
-/// Describes the job, stops it on Ctrl-C, and prints its start and each checkpoint.
-fn announce(job: &Job) -> Result<RunOptions> {
+/// Describes the job, stops it on Ctrl-C (with a savepoint if `savepoint`), and prints
+/// its start and each checkpoint.
+fn announce(job: &Job, savepoint: bool) -> Result<RunOptions> {
     println!("{}", describe(job));
     let stop = StopHandle::new();
-    stop_on_signal(stop.clone())?;
+    stop_on_signal(stop.clone(), savepoint)?;
     let store = job.config.store_uri();
     Ok(RunOptions {
         stop,
@@ -250,7 +271,7 @@ fn print_faults(job: &Job) {
     }
 }
 
-fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
+fn run(job: Option<&Path>, data: Option<PathBuf>, savepoint: bool) -> Result<ExitCode> {
     let job = load(job, data)?;
     if job.config.cluster.is_some() {
         anyhow::bail!(
@@ -261,7 +282,7 @@ fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
         on_metrics: Some(Box::new(|address| {
             println!("metrics at http://{address}/metrics");
         })),
-        ..announce(&job)?
+        ..announce(&job, savepoint)?
     };
     let report = stillpoint::run(&job.config, &job.pipeline, options)?;
     println!(
@@ -273,9 +294,9 @@ fn run(job: Option<&Path>, data: Option<PathBuf>) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn coordinator(path: &Path) -> Result<ExitCode> {
+fn coordinator(path: &Path, savepoint: bool) -> Result<ExitCode> {
     let job = Job::load(path)?;
-    let options = announce(&job)?;
+    let options = announce(&job, savepoint)?;
     let report = stillpoint::run_coordinator(&job.config, &job.pipeline, options)?;
     println!("done: {} checkpoint(s) this run", report.checkpoints.len());
     print_faults(&job);

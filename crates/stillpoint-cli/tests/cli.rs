@@ -289,6 +289,88 @@ fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
     }
 }
 
+/// `run --savepoint-on-stop`: Ctrl-C stops the job after a savepoint, which
+/// `checkpoints list` shows as one and the next run resumes from.
+#[test]
+fn ctrl_c_with_savepoint_on_stop_ends_on_a_savepoint() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("log");
+    std::fs::create_dir_all(&logs).unwrap();
+    std::fs::write(logs.join("0000.log"), "a b c\nb c\nc\n").unwrap();
+    let job = write_job(
+        dir.path(),
+        "log.toml",
+        &format!(
+            "[pipeline]\nsources = 1\naggregators = 1\ninput = {{ kind = \"log\", dirs = [\"{}\"] }}\n",
+            logs.display()
+        ),
+    );
+    let mut run = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
+        .args(["run", "--savepoint-on-stop"])
+        .arg(&job)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(run.stdout.take().unwrap()).lines();
+    while !lines
+        .next()
+        .expect("the run ended early")
+        .unwrap()
+        .starts_with("checkpoint ")
+    {}
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &run.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(run.wait().unwrap().success(), "{rest:?}");
+    let checkpoints: Vec<&String> = rest
+        .iter()
+        .filter(|l| l.starts_with("checkpoint ") || l.starts_with("savepoint "))
+        .collect();
+    let last = checkpoints.last().expect("no checkpoint after Ctrl-C");
+    assert!(last.starts_with("savepoint "), "{rest:?}");
+    let id: String = last.split_whitespace().nth(1).unwrap().to_owned();
+
+    let listed = stillpoint()
+        .args(["checkpoints", "list", "--job"])
+        .arg(&job)
+        .output()
+        .unwrap();
+    let listed = String::from_utf8(listed.stdout).unwrap();
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.split_whitespace().take(2).eq([id.as_str(), "savepoint"])),
+        "{listed}"
+    );
+    // The log never ends: the next run is stopped too once it says where it resumed.
+    let mut again = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
+        .arg("run")
+        .arg(&job)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = BufReader::new(again.stdout.take().unwrap())
+        .lines()
+        .map(Result::unwrap)
+        .find(|l| l.starts_with("resuming") || l.starts_with("starting"))
+        .expect("the second run said nothing");
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &again.id().to_string()])
+        .status();
+    again.wait().unwrap();
+    assert!(
+        start.starts_with(&format!("resuming from checkpoint {id} ")),
+        "{start}"
+    );
+}
+
 /// Every example job file loads; the default and the files example run as shipped.
 #[test]
 fn the_example_job_files_load_and_run() {

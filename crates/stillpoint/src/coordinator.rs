@@ -11,8 +11,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use stillpoint_backup::{GcBackoff, Lease, Store, gc};
 use stillpoint_task::{Coordinator, CoordinatorAction, ManifestRequest, Time};
 use stillpoint_wire::{
-    CheckpointId, CheckpointManifest, Message, SourceOffset, SourcePosition, TaskId,
-    TaskSnapshotRef,
+    CheckpointId, CheckpointKind, CheckpointManifest, Message, SourceOffset, SourcePosition,
+    TaskId, TaskSnapshotRef,
 };
 
 use crate::metrics::Metrics;
@@ -50,8 +50,10 @@ pub(crate) struct Seen {
     /// The source offsets each committed, not yet completed checkpoint covers.
     pub(crate) offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
     /// Once a stop was requested: the newest checkpoint already triggered then; the
-    /// job ends when a later one completes.
+    /// job ends when a later one completes (a savepoint, if `stop_on_savepoint`).
     pub(crate) stop_after: Option<CheckpointId>,
+    /// The stop asked for a savepoint.
+    pub(crate) stop_on_savepoint: bool,
     /// Inputs the driver stopped at that its caller must apply (cluster mode).
     pub(crate) stash: Vec<CoordinatorInput>,
 }
@@ -134,8 +136,14 @@ impl CoordinatorDriver<'_> {
                     .max()
                     .or(self.coordinator.last_completed())
                     .unwrap_or(CheckpointId(0));
-                tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
                 self.seen.stop_after = Some(newest);
+                if self.stop.savepoint_requested() {
+                    tracing::info!(after = %newest, "stop requested: a savepoint, then stop");
+                    self.seen.stop_on_savepoint = true;
+                    self.request_savepoint();
+                } else {
+                    tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
+                }
             }
             let now = self.now();
             if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
@@ -155,6 +163,14 @@ impl CoordinatorDriver<'_> {
             if self.lease.needs_refresh() {
                 self.runtime.block_on(self.lease.refresh())?;
             }
+        }
+    }
+
+    /// Asks the machine for a savepoint; one already asked for and not yet
+    /// triggered is the same request.
+    fn request_savepoint(&mut self) {
+        if let Err(error) = self.coordinator.request_savepoint(self.now()) {
+            tracing::debug!(%error, "savepoint already requested");
         }
     }
 
@@ -227,10 +243,13 @@ impl CoordinatorDriver<'_> {
                     }
                     self.report.checkpoints.push(stats);
                     self.collect_garbage();
-                    done |= self
-                        .seen
-                        .stop_after
-                        .is_some_and(|after| completed.checkpoint > after);
+                    let wanted =
+                        !self.seen.stop_on_savepoint || completed.kind == CheckpointKind::Savepoint;
+                    done |= wanted
+                        && self
+                            .seen
+                            .stop_after
+                            .is_some_and(|after| completed.checkpoint > after);
                     let covered = self.seen.offsets.get(&completed.checkpoint);
                     done |= self.all_sources_finished()
                         && covered.is_some_and(|offsets| *offsets == self.seen.finished);
@@ -239,6 +258,10 @@ impl CoordinatorDriver<'_> {
                 CoordinatorAction::Aborted { checkpoint, reason } => {
                     self.metrics.checkpoint_aborted();
                     tracing::warn!(%checkpoint, ?reason, "checkpoint aborted");
+                    if self.seen.stop_on_savepoint {
+                        // The stop waits for a savepoint: if this was it, ask again.
+                        self.request_savepoint();
+                    }
                 }
                 CoordinatorAction::FailJob {
                     consecutive_failures,

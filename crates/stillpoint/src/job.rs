@@ -212,9 +212,17 @@ impl ToDataflow for WordCount {
 }
 
 /// Asks a running job to stop: it takes one more checkpoint, publishes it and returns.
-/// Clone it into a signal handler.
+/// [`StopHandle::stop_with_savepoint`] makes that last one a savepoint (Flink's
+/// stop-with-savepoint): kept by retention until deleted by hand, and restorable
+/// with other parallelisms like any checkpoint. Clone it into a signal handler.
 #[derive(Clone, Debug, Default)]
-pub struct StopHandle(Arc<AtomicBool>);
+pub struct StopHandle(Arc<StopFlags>);
+
+#[derive(Debug, Default)]
+struct StopFlags {
+    stop: AtomicBool,
+    savepoint: AtomicBool,
+}
 
 impl StopHandle {
     /// A handle nobody has pulled yet.
@@ -225,13 +233,26 @@ impl StopHandle {
 
     /// Requests the stop (idempotent).
     pub fn stop(&self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.0.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Requests the stop after a savepoint (idempotent; wins over a plain stop not
+    /// yet acted on).
+    pub fn stop_with_savepoint(&self) {
+        self.0.savepoint.store(true, Ordering::SeqCst);
+        self.stop();
     }
 
     /// Whether a stop was requested.
     #[must_use]
     pub fn requested(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.0.stop.load(Ordering::SeqCst)
+    }
+
+    /// Whether the stop asks for a savepoint.
+    #[must_use]
+    pub fn savepoint_requested(&self) -> bool {
+        self.0.savepoint.load(Ordering::SeqCst)
     }
 }
 
