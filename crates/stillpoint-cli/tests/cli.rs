@@ -228,33 +228,56 @@ fn missing_s3_credentials_are_named() {
     );
 }
 
-/// A running job holds its store's lease: a second run on the same store is refused
-/// with who holds it and until when, and Ctrl-C (SIGINT) stops the first after a
-/// final checkpoint.
-#[test]
-fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
-    use std::io::{BufRead, BufReader};
-
-    let dir = tempfile::tempdir().unwrap();
-    let logs = dir.path().join("log");
+/// A job over one append-only log directory (`a b c / b c / c`) that never ends: a
+/// run of it stops on Ctrl-C.
+fn log_job(dir: &std::path::Path) -> std::path::PathBuf {
+    let logs = dir.join("log");
     std::fs::create_dir_all(&logs).unwrap();
     std::fs::write(logs.join("0000.log"), "a b c\nb c\nc\n").unwrap();
-    let job = write_job(
-        dir.path(),
+    write_job(
+        dir,
         "log.toml",
         &format!(
             "[pipeline]\nsources = 1\naggregators = 1\ninput = {{ kind = \"log\", dirs = [\"{}\"] }}\n",
             logs.display()
         ),
-    );
-    let mut first = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
-        .arg("run")
-        .arg(&job)
+    )
+}
+
+type StdoutLines = std::io::Lines<std::io::BufReader<std::process::ChildStdout>>;
+
+/// `stillpoint ARGS… JOB` in the background, with its stdout as lines.
+fn spawn_stillpoint(args: &[&str], job: &std::path::Path) -> (std::process::Child, StdoutLines) {
+    use std::io::BufRead;
+
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
+        .args(args)
+        .arg(job)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+/// Ctrl-C, as a terminal sends it (SIGINT).
+fn interrupt(child: &std::process::Child) {
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// A running job holds its store's lease: a second run on the same store is refused
+/// with who holds it and until when, and Ctrl-C (SIGINT) stops the first after a
+/// final checkpoint.
+#[test]
+fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = log_job(dir.path());
+    let (mut first, mut lines) = spawn_stillpoint(&["run"], &job);
     let mut seen = Vec::new();
     while !seen.iter().any(|l: &String| l.starts_with("checkpoint ")) {
         seen.push(lines.next().expect("the first run ended early").unwrap());
@@ -269,11 +292,7 @@ fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
         "{error}"
     );
 
-    let status = std::process::Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    interrupt(&first);
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(first.wait().unwrap().success(), "{rest:?}");
     assert!(rest.iter().any(|l| l.starts_with("done:")), "{rest:?}");
@@ -293,39 +312,16 @@ fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
 /// `checkpoints list` shows as one and the next run resumes from.
 #[test]
 fn ctrl_c_with_savepoint_on_stop_ends_on_a_savepoint() {
-    use std::io::{BufRead, BufReader};
-
     let dir = tempfile::tempdir().unwrap();
-    let logs = dir.path().join("log");
-    std::fs::create_dir_all(&logs).unwrap();
-    std::fs::write(logs.join("0000.log"), "a b c\nb c\nc\n").unwrap();
-    let job = write_job(
-        dir.path(),
-        "log.toml",
-        &format!(
-            "[pipeline]\nsources = 1\naggregators = 1\ninput = {{ kind = \"log\", dirs = [\"{}\"] }}\n",
-            logs.display()
-        ),
-    );
-    let mut run = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
-        .args(["run", "--savepoint-on-stop"])
-        .arg(&job)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(run.stdout.take().unwrap()).lines();
+    let job = log_job(dir.path());
+    let (mut run, mut lines) = spawn_stillpoint(&["run", "--savepoint-on-stop"], &job);
     while !lines
         .next()
         .expect("the run ended early")
         .unwrap()
         .starts_with("checkpoint ")
     {}
-    let status = std::process::Command::new("kill")
-        .args(["-INT", &run.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    interrupt(&run);
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(run.wait().unwrap().success(), "{rest:?}");
     let checkpoints: Vec<&String> = rest
@@ -349,21 +345,12 @@ fn ctrl_c_with_savepoint_on_stop_ends_on_a_savepoint() {
         "{listed}"
     );
     // The log never ends: the next run is stopped too once it says where it resumed.
-    let mut again = std::process::Command::new(assert_cmd::cargo::cargo_bin("stillpoint"))
-        .arg("run")
-        .arg(&job)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = BufReader::new(again.stdout.take().unwrap())
-        .lines()
+    let (mut again, lines) = spawn_stillpoint(&["run"], &job);
+    let start = lines
         .map(Result::unwrap)
         .find(|l| l.starts_with("resuming") || l.starts_with("starting"))
         .expect("the second run said nothing");
-    let _ = std::process::Command::new("kill")
-        .args(["-INT", &again.id().to_string()])
-        .status();
+    interrupt(&again);
     again.wait().unwrap();
     assert!(
         start.starts_with(&format!("resuming from checkpoint {id} ")),
