@@ -7,7 +7,7 @@
 //!   the final checkpoint of a bounded job is taken either way);
 //! - P2 `engine.stall_p99`: per checkpoint, the longest alignment plus the longest
 //!   synchronous snapshot of any task, on the large state a load built and the run
-//!   restored (≈ 1 GiB at full size: `load_words` per source over `load_vocabulary`);
+//!   restored (404 MiB stored, LZ4, at full size: `load_words` per source over `load_vocabulary`);
 //! - P3 `engine.upload_vs_state_1pct`: bytes uploaded per checkpoint ÷ the state's
 //!   size, once the state is loaded and only 1 % of its keys keep changing;
 //! - `engine.checkpoint_duration_p99_{4,16,64}_tasks`: trigger → commit;
@@ -193,7 +193,7 @@ fn p1(dir: &Path, sizes: &Sizes) {
 
 /// A store holding the word count's final checkpoint after a load of `load_words`
 /// draws per source over `load_vocabulary` words (3 counters): the large state P2
-/// and P10 start from (≈ 1 GiB at full size).
+/// and P10 start from (404 MiB stored, LZ4, at full size; 92 MiB at `--quick`).
 struct Loaded {
     store: PathBuf,
     state_bytes: u64,
