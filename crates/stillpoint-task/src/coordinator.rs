@@ -299,6 +299,12 @@ impl Coordinator {
         self.pending.keys().copied()
     }
 
+    /// Whether a requested savepoint has not been triggered yet.
+    #[must_use]
+    pub fn savepoint_pending(&self) -> bool {
+        self.savepoint_requested
+    }
+
     /// Consecutive failed checkpoints.
     #[must_use]
     pub fn consecutive_failures(&self) -> u32 {

@@ -347,9 +347,12 @@ fn a_completion_resets_the_failure_count() {
 #[test]
 fn user_savepoint_is_triggered_at_once_as_a_savepoint() {
     let mut co = coordinator(config());
+    assert!(!co.savepoint_pending());
     co.request_savepoint(at(10)).unwrap();
     assert_eq!(requests(&actions(&mut co))[0].2, CheckpointKind::Savepoint);
+    assert!(!co.savepoint_pending(), "triggered, so no longer pending");
     assert_eq!(co.request_savepoint(at(20)), Ok(()));
+    assert!(co.savepoint_pending(), "queued behind the one in flight");
     assert_eq!(
         co.request_savepoint(at(30)),
         Err(CoordinatorError::SavepointPending),

@@ -140,10 +140,12 @@ impl CoordinatorDriver<'_> {
                 if self.stop.savepoint_requested() {
                     tracing::info!(after = %newest, "stop requested: a savepoint, then stop");
                     self.seen.stop_on_savepoint = true;
-                    self.request_savepoint();
                 } else {
                     tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
                 }
+            }
+            if self.seen.stop_on_savepoint {
+                self.request_savepoint();
             }
             let now = self.now();
             if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
@@ -166,9 +168,13 @@ impl CoordinatorDriver<'_> {
         }
     }
 
-    /// Asks the machine for a savepoint; one already asked for and not yet
-    /// triggered is the same request.
+    /// Asks the machine for a savepoint unless one is asked for or in flight. The
+    /// stop waits for a savepoint: one aborted, or lost with a failover, is asked for
+    /// again (this runs every turn of the loop while the stop waits).
     fn request_savepoint(&mut self) {
+        if self.coordinator.savepoint_pending() || self.coordinator.in_flight().next().is_some() {
+            return;
+        }
         if let Err(error) = self.coordinator.request_savepoint(self.now()) {
             tracing::debug!(%error, "savepoint already requested");
         }
@@ -258,10 +264,6 @@ impl CoordinatorDriver<'_> {
                 CoordinatorAction::Aborted { checkpoint, reason } => {
                     self.metrics.checkpoint_aborted();
                     tracing::warn!(%checkpoint, ?reason, "checkpoint aborted");
-                    if self.seen.stop_on_savepoint {
-                        // The stop waits for a savepoint: if this was it, ask again.
-                        self.request_savepoint();
-                    }
                 }
                 CoordinatorAction::FailJob {
                     consecutive_failures,
