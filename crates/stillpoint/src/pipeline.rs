@@ -301,7 +301,7 @@ impl Sink for TransactionalFileSink {
 
     fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError> {
         self.open.clear();
-        remove_staging(&self.dir, Some(self.task))?;
+        remove_staging(&self.dir, self.task)?;
         if let Some(checkpoint) = restored {
             self.commit(checkpoint)?;
         }
@@ -325,10 +325,9 @@ fn staging_task(name: &str) -> Option<TaskId> {
     task.parse().ok().map(TaskId)
 }
 
-/// Removes the staging files of interrupted pre-commits (of `task`, or of every task):
-/// such a transaction was never pre-committed, so its records are replayed from the
-/// restored checkpoint.
-fn remove_staging(dir: &Path, task: Option<TaskId>) -> Result<(), EngineError> {
+/// Removes the staging files of `task`'s interrupted pre-commits: such a transaction
+/// was never pre-committed, so its records are replayed from the restored checkpoint.
+fn remove_staging(dir: &Path, task: TaskId) -> Result<(), EngineError> {
     let pending = dir.join("pending");
     let entries = match std::fs::read_dir(&pending) {
         Ok(entries) => entries,
@@ -338,10 +337,7 @@ fn remove_staging(dir: &Path, task: Option<TaskId>) -> Result<(), EngineError> {
     for entry in entries {
         let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(owner) = staging_task(&name) else {
-            continue;
-        };
-        if task.is_none_or(|t| t == owner) {
+        if staging_task(&name) == Some(task) {
             let path = entry.path();
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
@@ -357,7 +353,6 @@ fn remove_staging(dir: &Path, task: Option<TaskId>) -> Result<(), EngineError> {
 /// pre-committed transactions up to `restored` and rolls back every later one,
 /// whichever task wrote them, and removes every interrupted pre-commit's staging file.
 pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), EngineError> {
-    remove_staging(dir, None)?;
     let pending = dir.join("pending");
     let entries = match std::fs::read_dir(&pending) {
         Ok(entries) => entries,
@@ -369,17 +364,21 @@ pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), En
     for entry in entries {
         let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(id) = name
-            .split_once("-task-")
-            .and_then(|(id, _)| id.parse::<u64>().ok())
-        else {
-            continue;
-        };
         let path = entry.path();
-        let done = if id <= restored.get() {
-            std::fs::rename(&path, committed.join(&name))
-        } else {
+        let done = if staging_task(&name).is_some() {
             std::fs::remove_file(&path)
+        } else {
+            let Some(id) = name
+                .split_once("-task-")
+                .and_then(|(id, _)| id.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if id <= restored.get() {
+                std::fs::rename(&path, committed.join(&name))
+            } else {
+                std::fs::remove_file(&path)
+            }
         };
         match done {
             Ok(()) => {}
