@@ -176,7 +176,7 @@ impl CoordinatorDriver<'_> {
             return;
         }
         if let Err(error) = self.coordinator.request_savepoint(self.now()) {
-            tracing::debug!(%error, "savepoint already requested");
+            tracing::debug!(%error, "savepoint not requested");
         }
     }
 

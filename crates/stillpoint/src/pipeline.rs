@@ -221,28 +221,99 @@ impl TransactionalFileSink {
     }
 
     fn name(&self, checkpoint: CheckpointId) -> String {
-        format!("{:020}-task-{}.txt", checkpoint.get(), self.task.get())
+        transaction_name(checkpoint, self.task)
     }
 
     /// This task's pre-committed transactions, oldest first.
     fn pending(&self) -> Result<Vec<(CheckpointId, PathBuf)>, EngineError> {
-        let dir = self.dir.join("pending");
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(EngineError::io("list", &dir, &e)),
-        };
-        let suffix = format!("-task-{}.txt", self.task.get());
-        let mut out = Vec::new();
-        for entry in entries {
-            let entry = entry.map_err(|e| EngineError::io("list", &dir, &e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if let Some(id) = name.strip_suffix(&suffix).and_then(|d| d.parse().ok()) {
-                out.push((CheckpointId(id), entry.path()));
-            }
+        let mut own: Vec<_> = list_pending(&self.dir)?
+            .into_iter()
+            .filter_map(|(file, path)| match file {
+                PendingFile::Transaction(id, task) if task == self.task => Some((id, path)),
+                _ => None,
+            })
+            .collect();
+        own.sort();
+        Ok(own)
+    }
+
+    /// Publishes `transactions` (renames them into `committed/`, then syncs it).
+    fn publish(
+        &self,
+        transactions: impl IntoIterator<Item = (CheckpointId, PathBuf)>,
+    ) -> Result<(), EngineError> {
+        let committed = self.dir.join("committed");
+        std::fs::create_dir_all(&committed)
+            .map_err(|e| EngineError::io("create", &committed, &e))?;
+        let mut moved = false;
+        for (id, path) in transactions {
+            let target = committed.join(self.name(id));
+            std::fs::rename(&path, &target).map_err(|e| EngineError::io("rename", &path, &e))?;
+            moved = true;
         }
-        out.sort();
-        Ok(out)
+        if moved {
+            sync_dir(&committed)?;
+        }
+        Ok(())
+    }
+}
+
+/// The file name of `task`'s transaction for `checkpoint`, pending or published.
+fn transaction_name(checkpoint: CheckpointId, task: TaskId) -> String {
+    format!("{:020}-task-{}.txt", checkpoint.get(), task.get())
+}
+
+/// A file of a sink directory's `pending/`, known by its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PendingFile {
+    /// `<checkpoint:020>-task-<t>.txt`: a pre-committed transaction.
+    Transaction(CheckpointId, TaskId),
+    /// `.<checkpoint:020>-task-<t>.txt.tmp`: a pre-commit a crash cut off before its
+    /// rename. It was never pre-committed: its records are replayed from the restored
+    /// checkpoint, so recovery removes it.
+    Staging(TaskId),
+}
+
+impl PendingFile {
+    fn parse(name: &str) -> Option<Self> {
+        if let Some(staged) = name.strip_prefix('.') {
+            let (_, task) = staged.strip_suffix(".txt.tmp")?.split_once("-task-")?;
+            return Some(Self::Staging(TaskId(task.parse().ok()?)));
+        }
+        let (id, task) = name.strip_suffix(".txt")?.split_once("-task-")?;
+        Some(Self::Transaction(
+            CheckpointId(id.parse().ok()?),
+            TaskId(task.parse().ok()?),
+        ))
+    }
+}
+
+/// Every file of `dir/pending` [`PendingFile`] knows, with its path (none if the
+/// directory does not exist).
+fn list_pending(dir: &Path) -> Result<Vec<(PendingFile, PathBuf)>, EngineError> {
+    let pending = dir.join("pending");
+    let entries = match std::fs::read_dir(&pending) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(EngineError::io("list", &pending, &e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
+        if let Some(file) = PendingFile::parse(&entry.file_name().to_string_lossy()) {
+            out.push((file, entry.path()));
+        }
+    }
+    Ok(out)
+}
+
+/// Removes a file; one already gone (another process recovering the same
+/// directory) is not an error.
+fn remove_if_present(path: &Path) -> Result<(), EngineError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(EngineError::io("remove", path, &e)),
     }
 }
 
@@ -281,110 +352,58 @@ impl Sink for TransactionalFileSink {
     }
 
     fn commit(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
-        let committed = self.dir.join("committed");
-        std::fs::create_dir_all(&committed)
-            .map_err(|e| EngineError::io("create", &committed, &e))?;
-        let mut moved = false;
-        for (id, path) in self.pending()? {
-            if id > checkpoint {
-                break;
-            }
-            let target = committed.join(self.name(id));
-            std::fs::rename(&path, &target).map_err(|e| EngineError::io("rename", &path, &e))?;
-            moved = true;
-        }
-        if moved {
-            sync_dir(&committed)?;
-        }
-        Ok(())
+        let due = self
+            .pending()?
+            .into_iter()
+            .take_while(|(id, _)| *id <= checkpoint);
+        self.publish(due)
     }
 
+    /// One pass over `pending/`: this task's interrupted pre-commits are removed, its
+    /// transactions up to `restored` published and later ones rolled back.
     fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError> {
         self.open.clear();
-        remove_staging(&self.dir, self.task)?;
-        if let Some(checkpoint) = restored {
-            self.commit(checkpoint)?;
-        }
-        for (id, path) in self.pending()? {
-            if restored.is_none_or(|r| id > r) {
-                std::fs::remove_file(&path).map_err(|e| EngineError::io("remove", &path, &e))?;
+        let mut due = Vec::new();
+        for (file, path) in list_pending(&self.dir)? {
+            match file {
+                PendingFile::Staging(task) if task == self.task => remove_if_present(&path)?,
+                PendingFile::Transaction(id, task) if task == self.task => {
+                    if restored.is_some_and(|r| id <= r) {
+                        due.push((id, path));
+                    } else {
+                        remove_if_present(&path)?;
+                    }
+                }
+                PendingFile::Staging(_) | PendingFile::Transaction(..) => {}
             }
         }
-        Ok(())
+        due.sort();
+        self.publish(due)
     }
-}
-
-/// The task whose transaction a staging file of `pending/` holds (`.<checkpoint>-task-
-/// <t>.txt.tmp`: a pre-commit a crash interrupted before its rename), or `None` for
-/// any other name.
-fn staging_task(name: &str) -> Option<TaskId> {
-    let (_, task) = name
-        .strip_prefix('.')?
-        .strip_suffix(".txt.tmp")?
-        .split_once("-task-")?;
-    task.parse().ok().map(TaskId)
-}
-
-/// Removes the staging files of `task`'s interrupted pre-commits: such a transaction
-/// was never pre-committed, so its records are replayed from the restored checkpoint.
-fn remove_staging(dir: &Path, task: TaskId) -> Result<(), EngineError> {
-    let pending = dir.join("pending");
-    let entries = match std::fs::read_dir(&pending) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(EngineError::io("list", &pending, &e)),
-    };
-    for entry in entries {
-        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if staging_task(&name) == Some(task) {
-            let path = entry.path();
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(EngineError::io("remove", &path, &e)),
-            }
-        }
-    }
-    Ok(())
 }
 
 /// After a restore that changed the sinks (a rescale): publishes every task's
 /// pre-committed transactions up to `restored` and rolls back every later one,
 /// whichever task wrote them, and removes every interrupted pre-commit's staging file.
 pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), EngineError> {
-    let pending = dir.join("pending");
-    let entries = match std::fs::read_dir(&pending) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(EngineError::io("list", &pending, &e)),
-    };
+    let files = list_pending(dir)?;
+    if files.is_empty() {
+        return Ok(());
+    }
     let committed = dir.join("committed");
     std::fs::create_dir_all(&committed).map_err(|e| EngineError::io("create", &committed, &e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let path = entry.path();
-        let done = if staging_task(&name).is_some() {
-            std::fs::remove_file(&path)
-        } else {
-            let Some(id) = name
-                .split_once("-task-")
-                .and_then(|(id, _)| id.parse::<u64>().ok())
-            else {
-                continue;
-            };
-            if id <= restored.get() {
-                std::fs::rename(&path, committed.join(&name))
-            } else {
-                std::fs::remove_file(&path)
+    for (file, path) in files {
+        match file {
+            PendingFile::Transaction(id, task) if id <= restored => {
+                let target = committed.join(transaction_name(id, task));
+                match std::fs::rename(&path, &target) {
+                    Ok(()) => {}
+                    // Another process recovering the same directory got there first.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(EngineError::io("recover", &path, &e)),
+                }
             }
-        };
-        match done {
-            Ok(()) => {}
-            // Another process recovering the same directory got there first.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(EngineError::io("recover", &path, &e)),
+            PendingFile::Transaction(..) | PendingFile::Staging(_) => remove_if_present(&path)?,
         }
     }
     sync_dir(&committed)
@@ -443,14 +462,22 @@ mod tests {
     }
 
     #[test]
-    fn staging_names_are_recognised_and_nothing_else() {
-        for (name, task) in [
-            (".00000000000000000002-task-7.txt.tmp", Some(7)),
-            ("00000000000000000002-task-7.txt", None),
+    fn pending_names_are_recognised_and_nothing_else() {
+        for (name, file) in [
+            (
+                ".00000000000000000002-task-7.txt.tmp",
+                Some(PendingFile::Staging(TaskId(7))),
+            ),
+            (
+                "00000000000000000002-task-7.txt",
+                Some(PendingFile::Transaction(CheckpointId(2), TaskId(7))),
+            ),
             (".00000000000000000002-task-x.txt.tmp", None),
+            ("00000000000000000002-task-7.txt.tmp", None),
+            ("x-task-7.txt", None),
             (".notes.tmp", None),
         ] {
-            assert_eq!(staging_task(name), task.map(TaskId), "{name}");
+            assert_eq!(PendingFile::parse(name), file, "{name}");
         }
     }
 
