@@ -147,11 +147,21 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
         log.contains("the job already finished") && log.contains("done: 0 checkpoint(s)"),
         "{log}"
     );
+    // So does a node restarted after the end (by a supervisor, or killed as it
+    // exited): no coordinator will come, and the store says the job is done.
+    let mut late = spawn(&["node", "--node", "2"], &job, &logs.join("node2-late.log"));
+    let Some(status) = wait_up_to(&mut late, Duration::from_secs(30)) else {
+        let _ = late.kill();
+        panic!("a node of a finished job waited for its coordinator");
+    };
+    let log = std::fs::read_to_string(logs.join("node2-late.log")).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the job already finished"), "{log}");
     let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     assert_eq!(
         output, expected,
-        "the restarted coordinator changed nothing"
+        "the restarted coordinator and node changed nothing"
     );
 }
 

@@ -917,8 +917,9 @@ struct NodeState<'a> {
 impl NodeState<'_> {
     fn serve(&mut self) -> Result<(), EngineError> {
         loop {
-            let deadline = Instant::now() + self.cluster.connect_timeout;
-            let stream = connect_retrying(self.cluster.coordinator, deadline, &|| false)?;
+            let Some(stream) = self.connect_unless_finished()? else {
+                return Ok(());
+            };
             let mut hello = Vec::new();
             write_envelope(
                 &mut hello,
@@ -974,6 +975,40 @@ impl NodeState<'_> {
                 }
                 Err(error) => return Err(error),
             }
+        }
+    }
+
+    /// Connects to the coordinator, retrying up to the connect timeout; `None` when
+    /// the store says the job has finished meanwhile (`job/finished.json` at the
+    /// newest checkpoint: every node's final commits are done and the coordinator has
+    /// exited or is exiting), so a node restarted after the end — by a supervisor, or
+    /// one that lost the coordinator as it exited — ends successfully instead of
+    /// waiting for a coordinator that will not come back.
+    fn connect_unless_finished(&self) -> Result<Option<TcpStream>, EngineError> {
+        let deadline = Instant::now() + self.cluster.connect_timeout;
+        let finished = std::cell::Cell::new(None);
+        let next_look = std::cell::Cell::new(Instant::now());
+        let give_up = || {
+            if Instant::now() >= next_look.get() {
+                next_look.set(Instant::now() + Duration::from_secs(1));
+                match already_finished(self.runtime, self.store) {
+                    Ok(id) => finished.set(id),
+                    Err(error) => {
+                        tracing::debug!(%error, "cannot tell whether the job has finished");
+                    }
+                }
+            }
+            finished.get().is_some()
+        };
+        match connect_retrying(self.cluster.coordinator, deadline, &give_up) {
+            Ok(stream) => Ok(Some(stream)),
+            Err(error) => match finished.get() {
+                Some(id) => {
+                    tracing::info!(node = %self.node, checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
+                    Ok(None)
+                }
+                None => Err(error),
+            },
         }
     }
 
