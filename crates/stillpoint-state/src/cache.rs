@@ -239,7 +239,10 @@ impl Garbage {
             let mut values = frozen.entries.values;
             values.clear();
             if let Ok(mut slot) = spare.lock() {
-                if slot.as_ref().is_none_or(|s| s.capacity() < values.capacity()) {
+                if slot
+                    .as_ref()
+                    .is_none_or(|s| s.capacity() < values.capacity())
+                {
                     *slot = Some(values);
                 }
             }

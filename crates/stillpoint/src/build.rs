@@ -530,6 +530,7 @@ impl Builder<'_> {
             self.epoch,
         );
         driver.records = self.metrics.records_of(task);
+        driver.batch = self.config.batch_records.max(1);
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))
             .spawn(move || {

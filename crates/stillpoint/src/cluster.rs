@@ -30,10 +30,7 @@ use crate::build::{
     is_corrupt_checkpoint, join_all, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
-use crate::job::{
-    DATA_CHANNEL_CAPACITY, coordinator_machine, gc_backoff, highest_checkpoint, lease_config,
-    runtime,
-};
+use crate::job::{coordinator_machine, gc_backoff, highest_checkpoint, lease_config, runtime};
 use crate::metrics::{Metrics, Served};
 use crate::net::{
     EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
@@ -1215,7 +1212,7 @@ impl NodeState<'_> {
         for (up, down) in self.topology.edges() {
             match (is_local(up), is_local(down)) {
                 (true, true) => {
-                    let (tx, rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+                    let (tx, rx) = crossbeam_channel::bounded(self.config.channel_batches);
                     outputs.entry(up).or_default().insert(down, tx);
                     inputs.entry(down).or_default().push((up, rx));
                 }
@@ -1234,7 +1231,8 @@ impl NodeState<'_> {
                     )?;
                     std::io::Write::write_all(&mut &stream, &hello)
                         .map_err(|e| io_net(&format!("edge {up}→{down}"), &e))?;
-                    let (data_tx, data_rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+                    let (data_tx, data_rx) =
+                        crossbeam_channel::bounded(self.config.channel_batches);
                     let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
                     outputs.entry(up).or_default().insert(down, data_tx);
                     remote_control.entry(up).or_default().insert(down, ctl_tx);
@@ -1310,7 +1308,7 @@ impl NodeState<'_> {
             if edge_generation < g || !incoming.remove(&(up, down)) {
                 continue;
             }
-            let (data_tx, data_rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+            let (data_tx, data_rx) = crossbeam_channel::bounded(self.config.channel_batches);
             let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
             inputs.entry(down).or_default().push((up, data_rx));
             remote_control.entry(down).or_default().insert(up, ctl_tx);

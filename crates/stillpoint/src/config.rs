@@ -10,6 +10,8 @@
 //! tolerable_failures = 3            # consecutive failed checkpoints before the job fails
 //! max_parallelism = 128             # key groups; fixed for the life of the job
 //! lease_ttl = "60s"
+//! batch_records = 256               # records a source reads into one data message
+//! channel_batches = 4               # messages queued per edge: what a barrier waits behind
 //!
 //! [store]
 //! uri = "file://./stillpoint-data/store"   # or s3://BUCKET/PREFIX?endpoint=…&region=…, memory://
@@ -182,6 +184,8 @@ struct JobSection {
     max_parallelism: u32,
     #[serde(with = "humantime_serde")]
     lease_ttl: Duration,
+    batch_records: usize,
+    channel_batches: usize,
 }
 
 impl Default for JobSection {
@@ -195,6 +199,8 @@ impl Default for JobSection {
             tolerable_failures: defaults.tolerable_failures,
             max_parallelism: defaults.max_parallelism,
             lease_ttl: defaults.lease_ttl,
+            batch_records: defaults.batch_records,
+            channel_batches: defaults.channel_batches,
         }
     }
 }
@@ -384,6 +390,12 @@ impl JobFile {
         if job.max_parallelism == 0 || job.max_parallelism > 32_768 {
             return Err(invalid("job.max_parallelism", "must be in 1..=32768"));
         }
+        if !(1..=65_536).contains(&job.batch_records) {
+            return Err(invalid("job.batch_records", "must be in 1..=65536"));
+        }
+        if !(1..=1_024).contains(&job.channel_batches) {
+            return Err(invalid("job.channel_batches", "must be in 1..=1024"));
+        }
         if store.parallelism == 0 {
             return Err(invalid("store.parallelism", "must be at least 1"));
         }
@@ -495,6 +507,8 @@ impl JobFile {
         config.checkpoint_interval = job.checkpoint_interval;
         config.checkpoint_timeout = job.checkpoint_timeout;
         config.tolerable_failures = job.tolerable_failures;
+        config.batch_records = job.batch_records;
+        config.channel_batches = job.channel_batches;
         config.retention = Retention {
             keep_last: retention.keep_last,
             grace: retention.grace,
@@ -558,6 +572,10 @@ mod tests {
         let job = Job::from_toml("", "t").unwrap();
         assert_eq!(job.config.work_dir, PathBuf::from("./stillpoint-data"));
         assert_eq!(job.config.checkpoint_interval, Duration::from_secs(1));
+        assert_eq!(
+            (job.config.batch_records, job.config.channel_batches),
+            (256, 4)
+        );
         assert_eq!(job.config.max_parallelism, 128);
         assert_eq!(job.config.state, StateConfig::default());
         assert_eq!(job.config.retention.keep_last, 3);
@@ -587,6 +605,8 @@ mod tests {
 work_dir = "/tmp/x"
 checkpoint_interval = "250ms"
 max_parallelism = 64
+batch_records = 1024
+channel_batches = 1
 [store]
 uri = "s3://bucket/jobs?endpoint=http://127.0.0.1:8333"
 access_key_id = "id"
@@ -614,6 +634,10 @@ input = { kind = "files", paths = ["in.txt"] }
         .unwrap();
         assert_eq!(job.config.checkpoint_interval, Duration::from_millis(250));
         assert_eq!(job.config.max_parallelism, 64);
+        assert_eq!(
+            (job.config.batch_records, job.config.channel_batches),
+            (1024, 1)
+        );
         assert_eq!(job.config.store_options.part_size, 16 << 20);
         assert!(job.config.store_options.s3_credentials.is_some());
         let faults = job.config.store_options.faults.as_ref().unwrap();
@@ -648,6 +672,8 @@ input = { kind = "files", paths = ["in.txt"] }
                 "store.encryption_key",
             ),
             ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
+            ("[job]\nbatch_records = 0\n", "job.batch_records"),
+            ("[job]\nchannel_batches = 100000\n", "job.channel_batches"),
             ("[store]\nfault_ratio = 1.5\n", "store.fault_ratio"),
             ("[store]\nfault_ratio = nan\n", "store.fault_ratio"),
             (

@@ -60,6 +60,16 @@ pub struct JobConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// The processes of a cluster job (default: none — the job runs in one process).
     pub cluster: Option<crate::ClusterConfig>,
+    /// Records a source reads into one data message (default 256).
+    pub batch_records: usize,
+    /// Data messages buffered per edge before the sender blocks (default 4). With
+    /// `batch_records` this is the latency/throughput dial: a barrier waits behind
+    /// everything queued on its edge (the alignment stall; Flink's buffer debloating
+    /// reasons the same way), while every message costs a channel hand-off and often
+    /// a thread wake-up. Measured in the engine bench (docs/performance.md): 1024 × 1
+    /// runs the 1,000-key count ≈ 20 % faster than 256 × 4 but doubles the stall p50
+    /// on a large restored state.
+    pub channel_batches: usize,
 }
 
 impl JobConfig {
@@ -80,6 +90,8 @@ impl JobConfig {
             lease_ttl: Duration::from_secs(60),
             metrics_listen: None,
             cluster: None,
+            batch_records: 256,
+            channel_batches: 4,
         }
     }
 
@@ -422,7 +434,7 @@ pub fn run(
     let mut inputs: BTreeMap<TaskId, Vec<(TaskId, Receiver<Message>)>> = BTreeMap::new();
     let mut outputs: BTreeMap<TaskId, BTreeMap<TaskId, Sender<Message>>> = BTreeMap::new();
     for (from, to) in topology.edges() {
-        let (tx, rx) = crossbeam_channel::bounded(DATA_CHANNEL_CAPACITY);
+        let (tx, rx) = crossbeam_channel::bounded(config.channel_batches);
         outputs.entry(from).or_default().insert(to, tx);
         inputs.entry(to).or_default().push((from, rx));
     }
@@ -536,13 +548,6 @@ pub fn run(
     runtime.block_on(lease.release())?;
     Ok(report)
 }
-
-/// Capacity of one data channel, in messages (each a batch of ≤ 256 records). Small on
-/// purpose: a barrier waits behind everything queued on its edge, so the buffered
-/// depth is the alignment time, as Flink's buffer debloating reasons. In the engine
-/// bench 64 → 16 halved the stall p99; 16 → 4 halved its p50 on the large restored
-/// state (10.5 → 4.4–5.4 ms) with throughput unchanged (P1 0.77/0.77 vs 0.80/0.75).
-pub(crate) const DATA_CHANNEL_CAPACITY: usize = 4;
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, EngineError> {
     tokio::runtime::Builder::new_multi_thread()
