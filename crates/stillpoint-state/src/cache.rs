@@ -2,8 +2,10 @@
 //!
 //! Writes land in a dirty map. At a barrier, [`CachedState::snapshot`] swaps the
 //! dirty map for an empty one — O(1), the task's whole stall — and returns a
-//! [`SnapshotJob`] that writes the frozen map as one batch, flushes and creates the
-//! RocksDB checkpoint wherever the caller runs it (the engine: another thread).
+//! [`SnapshotJob`] that writes the frozen map into RocksDB (one SST per state, built
+//! in key order and ingested: no memtable), flushes whatever a spill left in the
+//! memtables and creates the RocksDB checkpoint wherever the caller runs it (the
+//! engine: another thread).
 //!
 //! Reads are one hash probe: beside the dirty map (what changed since the last
 //! barrier, what the export writes and what scans merge) the cache keeps one hash map
@@ -29,8 +31,8 @@ use rocksdb::{DB, FlushOptions};
 use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest};
 
 use crate::rocks::{
-    FieldValues, ScanVisitor, StoredWrite, decode_key, encode_key, group_bounds, key_prefix,
-    prefix_end, write_stored,
+    FieldValues, ScanVisitor, StoredWrite, decode_key, encode_key, group_bounds, ingest_stored,
+    key_prefix, prefix_end,
 };
 use crate::snapshot::{
     DigestCache, ManifestContext, SharedDigests, build_manifest, create_checkpoint,
@@ -108,14 +110,17 @@ impl Changes {
         self.values.len() + self.entries.len()
     }
 
-    /// Every change in key order: what RocksDB's memtable inserts fastest (its skip
-    /// list reuses the previous insert's position), several times faster than hash
-    /// order for a batch of millions of keys.
+    /// Every change in key order: what an SST is written in, and what RocksDB's
+    /// memtable inserts fastest (a spill; its skip list reuses the previous insert's
+    /// position), several times faster than hash order for millions of keys.
     ///
     /// The sort compares a 16-byte prefix held inline (the state id and the first 12
     /// bytes of the stored key) before the keys themselves: comparing the heap-held
     /// keys of a million entries directly was a cache miss per comparison and most of
     /// an export thread's time.
+    ///
+    /// Plain values and map entries are merged into one order (by state, then stored
+    /// key), as an SST is written.
     fn sorted(&self) -> impl Iterator<Item = (&CacheKey, &Value)> {
         let mut plain: Vec<_> = self
             .values
@@ -123,10 +128,16 @@ impl Changes {
             .map(|(key, value)| (sort_prefix(key), key, value))
             .collect();
         plain.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
-        plain
+        let mut plain = plain
             .into_iter()
             .map(|(_, key, value)| (key, value))
-            .chain(&self.entries)
+            .peekable();
+        let mut entries = self.entries.iter().peekable();
+        std::iter::from_fn(move || match (plain.peek(), entries.peek()) {
+            (Some(p), Some(e)) if e.0 < p.0 => entries.next(),
+            (Some(_), _) => plain.next(),
+            (None, _) => entries.next(),
+        })
     }
 
     /// Overlays this layer's changes of state `id` within `span` on `merged`. A key's
@@ -282,9 +293,9 @@ pub struct ExportedSnapshot {
     pub dir: PathBuf,
     /// Its manifest.
     pub manifest: SnapshotManifest,
-    /// Writing the frozen batch.
+    /// Writing the frozen changes (sorting, building and ingesting the SSTs).
     pub write: Duration,
-    /// Flushing memtables.
+    /// Flushing memtables (what spills left there; usually nothing).
     pub flush: Duration,
     /// Creating the RocksDB checkpoint (hard links).
     pub checkpoint_time: Duration,
@@ -298,6 +309,7 @@ pub struct ExportedSnapshot {
 pub struct SnapshotJob {
     db: Arc<DB>,
     options: rocksdb::Options,
+    compression: crate::Compression,
     frozen: Arc<Frozen>,
     names: Vec<String>,
     dir: PathBuf,
@@ -472,6 +484,7 @@ impl CachedState {
         SnapshotJob {
             db: Arc::clone(&self.backend.db),
             options: self.backend.options.clone(),
+            compression: self.backend.config.compression,
             frozen,
             names: self.names.clone(),
             dir: dir.as_ref().to_path_buf(),
@@ -667,7 +680,7 @@ impl SnapshotJob {
                 value.as_deref(),
             )
         });
-        write_stored(&self.db, &self.options, writes)?;
+        ingest_stored(&self.db, &self.options, self.compression, writes)?;
         self.progress
             .written
             .fetch_max(self.frozen.seq, Ordering::AcqRel);
@@ -691,7 +704,7 @@ impl SnapshotJob {
         Ok(started.elapsed())
     }
 
-    /// Waits for the previous job's checkpoint, writes the frozen batch, flushes,
+    /// Waits for the previous job's checkpoint, writes the frozen changes, flushes,
     /// creates the RocksDB checkpoint in the job's directory and builds its manifest.
     pub fn run(mut self) -> Result<ExportedSnapshot, StateError> {
         self.done = true;
@@ -772,17 +785,22 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The inline prefix never reorders keys: `sorted` yields exactly the keys'
-        /// order (short keys, zero bytes and long shared prefixes included).
+        /// The inline prefix never reorders keys, and the hashed plain values and
+        /// the ordered map entries merge into one order: `sorted` yields exactly the
+        /// keys' order (short keys, zero bytes and long shared prefixes included).
         #[test]
         fn sorted_is_key_order(keys in proptest::collection::btree_set(
             (0u32..3, proptest::collection::vec(prop_oneof![Just(0u8), Just(1u8), any::<u8>()], 0..20)),
             0..200,
         )) {
             let mut changes = Changes::default();
-            // Straight into the hashed map, whatever their shape: `sorted` sorts it.
+            // Into either map whatever their shape (odd lengths into the ordered one).
             for key in &keys {
-                changes.values.insert(key.clone(), None);
+                if key.1.len() % 2 == 1 {
+                    changes.entries.insert(key.clone(), None);
+                } else {
+                    changes.values.insert(key.clone(), None);
+                }
             }
             let got: Vec<_> = changes.sorted().map(|(key, _)| key.clone()).collect();
             let want: Vec<_> = keys.into_iter().collect();

@@ -15,7 +15,7 @@ pub enum Compression {
 }
 
 impl Compression {
-    fn rocks(self) -> DBCompressionType {
+    pub(crate) fn rocks(self) -> DBCompressionType {
         match self {
             Self::None => DBCompressionType::None,
             Self::Lz4 => DBCompressionType::Lz4,
@@ -37,8 +37,9 @@ impl Compression {
 /// The write-ahead log is always off: state is durable only through checkpoints
 /// (DESIGN §4), and after a crash a task restores from its last complete checkpoint,
 /// never from its live database, so a WAL would double every write for nothing. Writes
-/// between checkpoints live in the write-back cache and memtables, and each snapshot
-/// flushes before it creates the RocksDB checkpoint.
+/// between checkpoints live in the write-back cache (and memtables, when it spills),
+/// and each snapshot ingests its changes as SSTs and flushes what a spill left before
+/// it creates the RocksDB checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateConfig {
     /// Compression of levels 0..n-1. Default LZ4.

@@ -4,8 +4,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use rocksdb::{DB, Direction, IteratorMode, ReadOptions, WriteBatch, WriteOptions};
+use rocksdb::{
+    DB, Direction, IngestExternalFileOptions, IteratorMode, ReadOptions, SstFileWriter, WriteBatch,
+    WriteOptions,
+};
 use stillpoint_wire::{KeyGroupRange, StreamId, TaskId};
 
 use crate::keygroup::prefix;
@@ -332,6 +336,76 @@ pub(crate) fn write_stored<'a>(
     }
     db.write_opt(batch, &write_options())
         .map_err(StateError::rocks("write batch"))
+}
+
+/// Where a database's SSTs are built before they are ingested: inside its directory
+/// (RocksDB ignores what it did not name, and a checkpoint links only its own files),
+/// so the ingest's move is a rename on one file system.
+pub(crate) fn ingest_dir(db: &DB) -> PathBuf {
+    db.path().join("stillpoint-ingest")
+}
+
+/// Writes encoded `(state, stored key, value)` changes — sorted by state, then stored
+/// key, each key once — by building one SST per state and ingesting it (the file is
+/// moved in), without the memtable: what a flush would write, minus inserting every
+/// entry into a skip list first and sorting it there again. The states are ingested
+/// one after the other; a caller that needs them visible together keeps serving the
+/// changes from memory until this returns (the write-back cache does).
+///
+/// The SSTs are compressed as flushed ones are (`compression`): a writer otherwise
+/// takes the bottommost level's (Zstd by default, several times LZ4's CPU), since an
+/// ingested file may land there.
+pub(crate) fn ingest_stored<'a>(
+    db: &DB,
+    options: &rocksdb::Options,
+    compression: crate::Compression,
+    writes: impl IntoIterator<Item = StoredWrite<'a>>,
+) -> Result<(), StateError> {
+    let mut writer_options = options.clone();
+    writer_options.set_bottommost_compression_type(compression.rocks());
+    let dir = ingest_dir(db);
+    std::fs::create_dir_all(&dir).map_err(StateError::io("creating", &dir))?;
+    let mut writes = writes.into_iter().peekable();
+    let mut ingest = IngestExternalFileOptions::default();
+    ingest.set_move_files(true);
+    while let Some(&(state, _, _)) = writes.peek() {
+        // Unique in the process (state names need not be file names).
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = dir.join(format!("{}.sst", NEXT.fetch_add(1, Ordering::Relaxed)));
+        let cf = column_family(db, options, state)?;
+        let result = build_sst(&writer_options, &path, state, &mut writes).and_then(|()| {
+            db.ingest_external_file_cf_opts(&cf, &ingest, vec![&path])
+                .map_err(StateError::rocks("ingesting an SST"))
+        });
+        if result.is_err() {
+            let _ = std::fs::remove_file(&path); // never ingested: nothing refers to it
+        }
+        result?;
+    }
+    Ok(())
+}
+
+/// Builds the SST at `path` from the leading writes of `state`.
+fn build_sst<'a>(
+    options: &rocksdb::Options,
+    path: &Path,
+    state: &str,
+    writes: &mut std::iter::Peekable<impl Iterator<Item = StoredWrite<'a>>>,
+) -> Result<(), StateError> {
+    let mut writer = SstFileWriter::create(options);
+    writer
+        .open(path)
+        .map_err(StateError::rocks("creating an SST"))?;
+    while let Some((_, stored, value)) = writes.next_if(|w| w.0 == state) {
+        match value {
+            Some(value) => writer.put(stored, value),
+            None => writer.delete(stored),
+        }
+        .map_err(StateError::rocks("writing an SST"))?;
+    }
+    writer
+        .finish()
+        .map_err(StateError::rocks("finishing an SST"))
 }
 
 /// The exclusive upper bound of every key starting with `prefix`.

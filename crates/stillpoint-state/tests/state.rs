@@ -466,3 +466,71 @@ fn a_job_dropped_unrun_still_writes_its_batch() {
     assert_eq!(restored.get("s", b"k", b"").unwrap(), Some(b"v1".to_vec()));
     assert_eq!(restored.get("s", b"k2", b"").unwrap(), Some(b"v2".to_vec()));
 }
+
+#[test]
+fn an_export_ingests_its_changes_and_leaves_no_file_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    for i in 0..3_000_u32 {
+        state.put("a", &i.to_le_bytes(), b"", &[1; 40]).unwrap();
+        state.put("b", &i.to_le_bytes(), b"f1", b"x").unwrap();
+        state.put("b", &i.to_le_bytes(), b"", b"plain").unwrap();
+    }
+    let first = state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap();
+    // Deletes become tombstones in the next ingested SSTs.
+    for i in (0..3_000_u32).step_by(3) {
+        state.delete("a", &i.to_le_bytes(), b"").unwrap();
+        state.delete("b", &i.to_le_bytes(), b"f1").unwrap();
+    }
+    let expected = (dump(&state, "a", all()), dump(&state, "b", all()));
+    let second = state
+        .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+        .run()
+        .unwrap();
+    let staging = dir.path().join("db/stillpoint-ingest");
+    assert_eq!(
+        std::fs::read_dir(&staging).unwrap().count(),
+        0,
+        "every built SST was moved into the database"
+    );
+    for snapshot in [&first, &second] {
+        assert!(
+            snapshot
+                .manifest
+                .files
+                .iter()
+                .all(|f| !f.path.as_str().contains("stillpoint-ingest")),
+            "{:?}",
+            snapshot.manifest.files
+        );
+    }
+    let restored = restore(dir.path(), &(second.dir, second.manifest), "r").unwrap();
+    assert_eq!(
+        (dump(&restored, "a", all()), dump(&restored, "b", all())),
+        expected
+    );
+}
+
+#[test]
+fn an_export_that_cannot_stage_its_ssts_fails_naming_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    state.put("s", b"k", b"", b"v").unwrap();
+    // Where the SSTs are built is a file: the export cannot create it.
+    std::fs::write(dir.path().join("db/stillpoint-ingest"), b"in the way").unwrap();
+    let error = state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap_err();
+    assert!(
+        matches!(&error, StateError::Io { path, .. } if path.ends_with("stillpoint-ingest")),
+        "{error}"
+    );
+    assert!(
+        !dir.path().join("ckpt-1").exists(),
+        "no partial snapshot directory"
+    );
+}
