@@ -41,9 +41,10 @@ use crate::{KeyedState, RocksStateBackend, StateBatch, StateError};
 
 type CacheKey = (u32, Vec<u8>);
 
-/// Bytes an entry is charged for (key, value and map overhead).
-fn cost(key: &CacheKey, value: Option<&Vec<u8>>) -> usize {
-    key.1.len() + value.map_or(0, Vec::len) + 64
+/// Bytes an entry of a `key_len`-byte stored key is charged for (key, value and map
+/// overhead).
+fn cost(key_len: usize, value: Option<&Vec<u8>>) -> usize {
+    key_len + value.map_or(0, Vec::len) + 64
 }
 
 type Value = Option<Vec<u8>>;
@@ -95,6 +96,14 @@ impl Changes {
             self.values.get(key)
         } else {
             self.entries.get(key)
+        }
+    }
+
+    fn get_mut(&mut self, key: &CacheKey) -> Option<&mut Value> {
+        if is_plain(&key.1) {
+            self.values.get_mut(key)
+        } else {
+            self.entries.get_mut(key)
         }
     }
 
@@ -412,9 +421,38 @@ impl CachedState {
 
     /// Remembers `value` as the current value of `key`.
     fn remember(&mut self, key: CacheKey, value: Option<Vec<u8>>) {
-        self.current_bytes += cost(&key, value.as_ref());
-        if let Some(old) = self.current.insert(key.clone(), value) {
-            self.current_bytes -= cost(&key, old.as_ref());
+        let len = key.1.len();
+        self.current_bytes += cost(len, value.as_ref());
+        if let Some(old) = self.current.insert(key, value) {
+            self.current_bytes -= cost(len, old.as_ref());
+        }
+    }
+
+    /// Sets `key` to `value` (`None` deletes) among the current values and the
+    /// changes. A key either map holds already is updated in place: a keyed
+    /// aggregate's write to a key it keeps changing allocates nothing but the value.
+    fn set(&mut self, key: CacheKey, value: Value) {
+        let len = key.1.len();
+        let added = cost(len, value.as_ref());
+        match self.current.get_mut(&key) {
+            Some(slot) => {
+                self.current_bytes = self.current_bytes + added - cost(len, slot.as_ref());
+                slot.clone_from(&value);
+            }
+            None => {
+                self.current_bytes += added;
+                self.current.insert(key.clone(), value.clone());
+            }
+        }
+        match self.dirty.get_mut(&key) {
+            Some(slot) => {
+                self.dirty_bytes = self.dirty_bytes + added - cost(len, slot.as_ref());
+                *slot = value;
+            }
+            None => {
+                self.dirty_bytes += added;
+                self.dirty.insert(key, value);
+            }
         }
     }
 
@@ -565,13 +603,29 @@ impl KeyedState for CachedState {
         }
         for (w, stored) in batch.writes.into_iter().zip(encoded) {
             let key = (self.id(&w.state), stored);
-            self.remember(key.clone(), w.value.clone());
-            let added = cost(&key, w.value.as_ref());
-            if let Some(old) = self.dirty.insert(key.clone(), w.value) {
-                self.dirty_bytes -= cost(&key, old.as_ref());
-            }
-            self.dirty_bytes += added;
+            self.set(key, w.value);
         }
+        self.make_room()
+    }
+
+    /// One write without building a batch (a keyed aggregate's per-record path).
+    fn put(
+        &mut self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+        value: &[u8],
+    ) -> Result<(), StateError> {
+        let stored = encode_key(self.backend.owned_group(key)?, key, field);
+        let id = self.id(state);
+        self.set((id, stored), Some(value.to_vec()));
+        self.make_room()
+    }
+
+    fn delete(&mut self, state: &str, key: &[u8], field: &[u8]) -> Result<(), StateError> {
+        let stored = encode_key(self.backend.owned_group(key)?, key, field);
+        let id = self.id(state);
+        self.set((id, stored), None);
         self.make_room()
     }
 
