@@ -200,8 +200,16 @@ impl RocksStateBackend {
         } else {
             vec!["default".to_owned()]
         };
-        let db = DB::open_cf(&options, &path, families)
-            .map_err(StateError::rocks("opening the database"))?;
+        // Every column family with the tuned options: `DB::open_cf` would open the
+        // existing ones with RocksDB's defaults (no bloom filters, no shared block
+        // cache, another index), so a restored task — whose states all exist — ran
+        // untuned, and every point read searched a data block of every file.
+        let db = DB::open_cf_with_opts(
+            &options,
+            &path,
+            families.into_iter().map(|name| (name, options.clone())),
+        )
+        .map_err(StateError::rocks("opening the database"))?;
         Ok(Self {
             db: Arc::new(db),
             path,

@@ -348,8 +348,13 @@ impl RocksStateBackend {
         let options = self.options.clone();
         let families = DB::list_cf(&options, source_dir)
             .map_err(StateError::rocks("listing column families"))?;
-        let source = DB::open_cf_for_read_only(&options, source_dir, &families, false)
-            .map_err(StateError::rocks("opening a snapshot to rescale"))?;
+        let source = DB::open_cf_with_opts_for_read_only(
+            &options,
+            source_dir,
+            families.iter().map(|name| (name, options.clone())),
+            false,
+        )
+        .map_err(StateError::rocks("opening a snapshot to rescale"))?;
         std::fs::create_dir_all(sst_dir).map_err(StateError::io("creating", sst_dir))?;
         let (lower, upper) = group_bounds(part);
         for state in families.iter().filter(|f| f.as_str() != "default") {

@@ -534,3 +534,49 @@ fn an_export_that_cannot_stage_its_ssts_fails_naming_the_directory() {
         "no partial snapshot directory"
     );
 }
+
+/// The table options RocksDB recorded for column family `state` in the newest
+/// OPTIONS file of the database at `db`.
+fn recorded_table_options(db: &Path, state: &str) -> String {
+    let newest = std::fs::read_dir(db)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("OPTIONS-"))
+        .max_by_key(|n| n.trim_start_matches("OPTIONS-").parse::<u64>().unwrap())
+        .unwrap();
+    let text = std::fs::read_to_string(db.join(newest)).unwrap();
+    let header = format!("[TableOptions/BlockBasedTable \"{state}\"]");
+    let section = text.split(&header).nth(1).unwrap_or_default();
+    section.split("\n[").next().unwrap_or_default().to_owned()
+}
+
+#[test]
+fn restored_and_reopened_states_keep_the_tuned_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = snapshot_of(dir.path(), 1_000);
+    let fresh = recorded_table_options(&dir.path().join("db"), "s");
+    assert!(fresh.contains("kTwoLevelIndexSearch"), "{fresh}");
+    // A restore opens a database whose states already exist.
+    let restored = restore(dir.path(), &snapshot, "r").unwrap();
+    let options = recorded_table_options(restored.path(), "s");
+    for wanted in [
+        "index_type=kTwoLevelIndexSearch",
+        "partition_filters=true",
+        "filter_policy=bloomfilter",
+    ] {
+        assert!(options.contains(wanted), "{wanted} missing:\n{options}");
+    }
+    // And a rescaled restore (the old snapshot is read to build the new one).
+    let groups = KeyGroups::new(128).unwrap();
+    let rescaled = RocksStateBackend::restore_rescaled(
+        std::slice::from_ref(&snapshot),
+        dir.path().join("rescaled"),
+        small_config(),
+        groups,
+        groups.range_of(2, 0).unwrap(),
+        OWNER,
+    )
+    .unwrap();
+    let options = recorded_table_options(rescaled.path(), "s");
+    assert!(options.contains("filter_policy=bloomfilter"), "{options}");
+}
