@@ -541,6 +541,20 @@ impl CachedState {
         }
     }
 
+    /// One write (`None` deletes), checked for the key's group first.
+    fn write_one(
+        &mut self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+        value: Value,
+    ) -> Result<(), StateError> {
+        let stored = encode_key(self.backend.owned_group(key)?, key, field);
+        let id = self.id(state);
+        self.set((id, stored), value);
+        self.make_room()
+    }
+
     /// An empty dirty set for after a barrier: the spare map a job emptied, else one
     /// sized for as many plain values as the last (allocating is cheap; the pages are
     /// faulted in as it fills).
@@ -616,17 +630,11 @@ impl KeyedState for CachedState {
         field: &[u8],
         value: &[u8],
     ) -> Result<(), StateError> {
-        let stored = encode_key(self.backend.owned_group(key)?, key, field);
-        let id = self.id(state);
-        self.set((id, stored), Some(value.to_vec()));
-        self.make_room()
+        self.write_one(state, key, field, Some(value.to_vec()))
     }
 
     fn delete(&mut self, state: &str, key: &[u8], field: &[u8]) -> Result<(), StateError> {
-        let stored = encode_key(self.backend.owned_group(key)?, key, field);
-        let id = self.id(state);
-        self.set((id, stored), None);
-        self.make_room()
+        self.write_one(state, key, field, None)
     }
 
     fn fields(&self, state: &str, key: &[u8]) -> Result<FieldValues, StateError> {
