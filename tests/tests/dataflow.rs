@@ -244,10 +244,13 @@ fn a_restore_cannot_change_the_stages_or_the_sources() {
     );
 }
 
-/// A sink whose first pre-commit cannot be made durable (a full disk, say).
+/// A sink whose first pre-commit (across the stage: the first task to see `fail`
+/// set) fails: its transaction cannot be made durable (a full disk, say), or, with
+/// `refuse`, the pre-commit itself refuses, which aborts the checkpoint.
 struct FailsOnce {
     inner: TransactionalFileSink,
     fail: Arc<AtomicBool>,
+    refuse: bool,
 }
 
 impl Sink for FailsOnce {
@@ -259,8 +262,11 @@ impl Sink for FailsOnce {
         &mut self,
         checkpoint: stillpoint_wire::CheckpointId,
     ) -> Result<Option<Persist>, EngineError> {
+        if self.refuse && self.fail.swap(false, Ordering::SeqCst) {
+            return Err(EngineError::Invalid("injected: pre-commit refused".into()));
+        }
         let persist = self.inner.pre_commit(checkpoint)?;
-        if self.fail.swap(false, Ordering::SeqCst) {
+        if !self.refuse && self.fail.swap(false, Ordering::SeqCst) {
             return Ok(Some(Box::new(|| {
                 Err(EngineError::Invalid("injected: no space left".into()))
             })));
@@ -280,36 +286,27 @@ impl Sink for FailsOnce {
     }
 }
 
-#[test]
-fn a_pre_commit_that_cannot_be_made_durable_fails_the_job_and_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path());
-    let words = 20_000;
-    let fail = Arc::new(AtomicBool::new(true));
-    let out = dir.path().join("out");
-    let flow = {
-        let (fail, out) = (Arc::clone(&fail), out.clone());
-        Dataflow::source("words", 2, move |index| {
-            Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
-        })
-        .operator("count", 2, Partitioning::Hash, |_| {
-            Ok(Box::new(KeyedCount) as Box<dyn Operator>)
-        })
-        .sink("publish", 2, Partitioning::Forward, move |task| {
-            Ok(Box::new(FailsOnce {
-                inner: TransactionalFileSink::new(&out, task),
-                fail: Arc::clone(&fail),
-            }) as Box<dyn Sink>)
-        })
-    };
-    let error = run_word_count(&config, &flow, None).unwrap_err();
-    assert!(
-        error.to_string().contains("could not be made durable")
-            && error.to_string().contains("injected: no space left"),
-        "{error}"
-    );
-    run_word_count(&config, &flow, None).unwrap();
-    let mut published = read_committed(&out).unwrap();
+/// 2 sources → 2 counters → 2 [`FailsOnce`] sinks (refusing or failing to persist).
+fn failing_flow(out: &Path, words: u64, fail: &Arc<AtomicBool>, refuse: bool) -> Dataflow {
+    let (fail, out) = (Arc::clone(fail), out.to_path_buf());
+    Dataflow::source("words", 2, move |index| {
+        Ok(Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY)) as Box<dyn Source>)
+    })
+    .operator("count", 2, Partitioning::Hash, |_| {
+        Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+    })
+    .sink("publish", 2, Partitioning::Forward, move |task| {
+        Ok(Box::new(FailsOnce {
+            inner: TransactionalFileSink::new(&out, task),
+            fail: Arc::clone(&fail),
+            refuse,
+        }) as Box<dyn Sink>)
+    })
+}
+
+/// The published counts under `out` are exactly the failure-free run's.
+fn assert_published_exactly(out: &Path, words: u64) {
+    let mut published = read_committed(out).unwrap();
     published.sort();
     let mut expected: Vec<(String, String)> = totals(words)
         .into_iter()
@@ -318,4 +315,71 @@ fn a_pre_commit_that_cannot_be_made_durable_fails_the_job_and_loses_nothing() {
     expected.sort();
     assert_eq!(published.len(), expected.len(), "lost or duplicated");
     assert_eq!(published, expected);
+}
+
+#[test]
+fn a_pre_commit_that_cannot_be_made_durable_fails_the_job_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path());
+    let words = 20_000;
+    let fail = Arc::new(AtomicBool::new(true));
+    let out = dir.path().join("out");
+    let flow = failing_flow(&out, words, &fail, false);
+    let error = run_word_count(&config, &flow, None).unwrap_err();
+    assert!(
+        error.to_string().contains("could not be made durable")
+            && error.to_string().contains("injected: no space left"),
+        "{error}"
+    );
+    run_word_count(&config, &flow, None).unwrap();
+    assert_published_exactly(&out, words);
+}
+
+/// Stop with a savepoint whose first attempt is aborted (a sink refuses its
+/// pre-commit): the job asks for the savepoint again and ends on the second one, and
+/// a restart from it publishes exactly the failure-free output. No periodic
+/// checkpoint runs (an hour's interval), so checkpoint 1 is the aborted savepoint.
+#[test]
+fn an_aborted_stop_savepoint_is_taken_again_and_the_job_ends_on_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path());
+    config.checkpoint_interval = Duration::from_secs(3600);
+    let words = 600_000;
+    let fail = Arc::new(AtomicBool::new(false));
+    let out = dir.path().join("out");
+    let flow = failing_flow(&out, words, &fail, true);
+    let stop = stillpoint::StopHandle::new();
+    let (pull, arm) = (stop.clone(), Arc::clone(&fail));
+    let options = stillpoint::RunOptions {
+        stop,
+        on_start: Some(Box::new(move |_| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                arm.store(true, Ordering::SeqCst);
+                pull.stop_with_savepoint();
+            });
+        })),
+        ..stillpoint::RunOptions::default()
+    };
+    let report = stillpoint::run(&config, &flow, options).unwrap();
+    assert!(!fail.load(Ordering::SeqCst), "no pre-commit was refused");
+    let ids: Vec<_> = report
+        .checkpoints
+        .iter()
+        .map(|c| (c.checkpoint, c.kind.as_str()))
+        .collect();
+    assert_eq!(
+        ids,
+        [(2, "savepoint")],
+        "savepoint 1 aborted, savepoint 2 ends the job"
+    );
+    let published = read_committed(&out).unwrap().len();
+    let total: u64 = totals(words).values().sum();
+    assert!(
+        (published as u64) < total,
+        "the job was to stop before its input ended"
+    );
+    let again = run_word_count(&config, &flow, None).unwrap();
+    assert_eq!(again.restored_from.map(|id| id.get()), Some(2));
+    assert_published_exactly(&out, words);
 }
