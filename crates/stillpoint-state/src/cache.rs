@@ -774,11 +774,16 @@ impl SnapshotJob {
         let result = self.export(seq);
         // Free what the cache let go of here, on the exporting thread.
         std::mem::take(&mut self.retired).free(&self.spare);
-        match &result {
-            Ok(_) => {}
-            Err(e) => self
-                .progress
-                .mark_failed(format!("{}: {e}", self.checkpoint)),
+        if let Err(e) = &result {
+            if self.progress.written.load(Ordering::Acquire) >= seq {
+                // The changes are in RocksDB; only this checkpoint's directory or
+                // manifest failed (its directory removed under it when the checkpoint
+                // was aborted, say). Later snapshots go on.
+                self.progress.mark_checkpointed(seq);
+            } else {
+                self.progress
+                    .mark_failed(format!("{}: {e}", self.checkpoint));
+            }
         }
         result
     }

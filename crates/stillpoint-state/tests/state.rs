@@ -580,3 +580,27 @@ fn restored_and_reopened_states_keep_the_tuned_options() {
     let options = recorded_table_options(rescaled.path(), "s");
     assert!(options.contains("filter_policy=bloomfilter"), "{options}");
 }
+
+#[test]
+fn a_failed_checkpoint_directory_fails_that_snapshot_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    state.put("s", b"a", b"", b"1").unwrap();
+    // The directory exists already (an aborted checkpoint's, being removed, say):
+    // RocksDB cannot create the checkpoint there.
+    std::fs::create_dir_all(dir.path().join("ckpt-1/in-the-way")).unwrap();
+    let error = state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap_err();
+    assert!(matches!(error, StateError::Rocks { .. }), "{error}");
+    // The changes reached RocksDB: the next snapshot holds them, nothing is poisoned.
+    state.put("s", b"b", b"", b"2").unwrap();
+    let exported = state
+        .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+        .run()
+        .unwrap();
+    let restored = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap();
+    assert_eq!(restored.get("s", b"a", b"").unwrap(), Some(b"1".to_vec()));
+    assert_eq!(restored.get("s", b"b", b"").unwrap(), Some(b"2".to_vec()));
+}
