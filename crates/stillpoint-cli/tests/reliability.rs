@@ -103,7 +103,9 @@ fn verified(verify_stdout: &str) -> Vec<u64> {
 /// verifies, and the output is exactly the failure-free one.
 #[test]
 fn a_store_failing_fifteen_percent_of_operations_stays_exactly_once() {
-    const WORDS: u64 = 600_000;
+    // Long enough for several checkpoints even when the first one waits out retries
+    // for seconds (600,000 words per source ended after two on the faster engine).
+    const WORDS: u64 = 1_500_000;
     let dir = tempfile::tempdir().unwrap();
     let job = job(
         dir.path(),
