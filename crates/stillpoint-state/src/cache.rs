@@ -419,12 +419,20 @@ impl CachedState {
         drop(self.retired.current.replace(evicted));
     }
 
-    /// Remembers `value` as the current value of `key`.
-    fn remember(&mut self, key: CacheKey, value: Option<Vec<u8>>) {
+    /// Remembers `value` as the current value of `key`; a key held already is
+    /// updated in place (key and value buffers are copied only when new).
+    fn remember(&mut self, key: &CacheKey, value: &Value) {
         let len = key.1.len();
-        self.current_bytes += cost(len, value.as_ref());
-        if let Some(old) = self.current.insert(key, value) {
-            self.current_bytes -= cost(len, old.as_ref());
+        let added = cost(len, value.as_ref());
+        match self.current.get_mut(key) {
+            Some(slot) => {
+                self.current_bytes = self.current_bytes + added - cost(len, slot.as_ref());
+                slot.clone_from(value);
+            }
+            None => {
+                self.current_bytes += added;
+                self.current.insert(key.clone(), value.clone());
+            }
         }
     }
 
@@ -434,16 +442,7 @@ impl CachedState {
     fn set(&mut self, key: CacheKey, value: Value) {
         let len = key.1.len();
         let added = cost(len, value.as_ref());
-        match self.current.get_mut(&key) {
-            Some(slot) => {
-                self.current_bytes = self.current_bytes + added - cost(len, slot.as_ref());
-                slot.clone_from(&value);
-            }
-            None => {
-                self.current_bytes += added;
-                self.current.insert(key.clone(), value.clone());
-            }
-        }
+        self.remember(&key, &value);
         match self.dirty.get_mut(&key) {
             Some(slot) => {
                 self.dirty_bytes = self.dirty_bytes + added - cost(len, slot.as_ref());
@@ -682,7 +681,7 @@ impl CachedState {
                 (cache_key, value)
             }
         };
-        self.remember(cache_key, value.clone());
+        self.remember(&cache_key, &value);
         if self.over_budget() {
             self.make_room()?;
         }

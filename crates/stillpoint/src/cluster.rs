@@ -30,7 +30,9 @@ use crate::build::{
     is_corrupt_checkpoint, join_all, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
-use crate::job::{coordinator_machine, gc_backoff, highest_checkpoint, lease_config, runtime};
+use crate::job::{
+    coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
+};
 use crate::metrics::{Metrics, Served};
 use crate::net::{
     EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
@@ -193,7 +195,6 @@ pub fn run_coordinator(
     ))?;
     // A coordinator restarted after it told the nodes to exit: the job is done.
     if let Some(id) = already_finished(&runtime, &store)? {
-        tracing::info!(checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
         let report = JobReport {
             restored_from: Some(id),
             ..JobReport::default()
@@ -592,7 +593,7 @@ async fn record_finished(store: &Store) -> Result<(), StoreError> {
 }
 
 /// The checkpoint the job finished at, when that is still the newest committed one
-/// (a newer checkpoint means the job was run again since).
+/// (a newer checkpoint means the job was run again since); says so when it is.
 fn already_finished(
     runtime: &tokio::runtime::Runtime,
     store: &Store,
@@ -601,7 +602,11 @@ fn already_finished(
         return Ok(None);
     };
     let newest = runtime.block_on(store.committed_ids())?.last().copied();
-    Ok((newest == Some(finished)).then_some(finished))
+    let done = (newest == Some(finished)).then_some(finished);
+    if let Some(id) = done {
+        tracing::info!(checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
+    }
+    Ok(done)
 }
 
 fn choose_restore(
@@ -999,13 +1004,11 @@ impl NodeState<'_> {
         };
         match connect_retrying(self.cluster.coordinator, deadline, &give_up) {
             Ok(stream) => Ok(Some(stream)),
-            Err(error) => match finished.get() {
-                Some(id) => {
-                    tracing::info!(node = %self.node, checkpoint = %id, "the job already finished at this checkpoint (job/finished.json in the store); nothing to do");
-                    Ok(None)
-                }
-                None => Err(error),
-            },
+            Err(error) if finished.get().is_some() => {
+                tracing::debug!(node = %self.node, %error, "no coordinator: the job is done");
+                Ok(None)
+            }
+            Err(error) => Err(error),
         }
     }
 
@@ -1212,7 +1215,7 @@ impl NodeState<'_> {
         for (up, down) in self.topology.edges() {
             match (is_local(up), is_local(down)) {
                 (true, true) => {
-                    let (tx, rx) = crossbeam_channel::bounded(self.config.channel_batches);
+                    let (tx, rx) = data_channel(self.config);
                     outputs.entry(up).or_default().insert(down, tx);
                     inputs.entry(down).or_default().push((up, rx));
                 }
@@ -1231,8 +1234,7 @@ impl NodeState<'_> {
                     )?;
                     std::io::Write::write_all(&mut &stream, &hello)
                         .map_err(|e| io_net(&format!("edge {up}→{down}"), &e))?;
-                    let (data_tx, data_rx) =
-                        crossbeam_channel::bounded(self.config.channel_batches);
+                    let (data_tx, data_rx) = data_channel(self.config);
                     let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
                     outputs.entry(up).or_default().insert(down, data_tx);
                     remote_control.entry(up).or_default().insert(down, ctl_tx);
@@ -1308,7 +1310,7 @@ impl NodeState<'_> {
             if edge_generation < g || !incoming.remove(&(up, down)) {
                 continue;
             }
-            let (data_tx, data_rx) = crossbeam_channel::bounded(self.config.channel_batches);
+            let (data_tx, data_rx) = data_channel(self.config);
             let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
             inputs.entry(down).or_default().push((up, data_rx));
             remote_control.entry(down).or_default().insert(up, ctl_tx);

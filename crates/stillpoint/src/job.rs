@@ -434,7 +434,7 @@ pub fn run(
     let mut inputs: BTreeMap<TaskId, Vec<(TaskId, Receiver<Message>)>> = BTreeMap::new();
     let mut outputs: BTreeMap<TaskId, BTreeMap<TaskId, Sender<Message>>> = BTreeMap::new();
     for (from, to) in topology.edges() {
-        let (tx, rx) = crossbeam_channel::bounded(config.channel_batches);
+        let (tx, rx) = data_channel(config);
         outputs.entry(from).or_default().insert(to, tx);
         inputs.entry(to).or_default().push((from, rx));
     }
@@ -547,6 +547,11 @@ pub fn run(
     }
     runtime.block_on(lease.release())?;
     Ok(report)
+}
+
+/// One data edge's bounded channel: `channel_batches` messages (backpressure).
+pub(crate) fn data_channel(config: &JobConfig) -> (Sender<Message>, Receiver<Message>) {
+    crossbeam_channel::bounded(config.channel_batches)
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, EngineError> {
