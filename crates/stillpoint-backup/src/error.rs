@@ -117,6 +117,13 @@ pub enum StoreError {
         /// What was found instead.
         reason: String,
     },
+    /// An object that is written once (a task manifest, a checkpoint's statistics)
+    /// already exists with other content: another writer got there first.
+    #[error("{path:?} was already written by another writer")]
+    AlreadyWritten {
+        /// The object's path inside the store.
+        path: String,
+    },
     /// A checkpoint with this id is already committed.
     #[error("{0} is already committed")]
     AlreadyCommitted(CheckpointId),

@@ -4,9 +4,14 @@
 //! OpenDAL's own `ChaosLayer` fails only reads; checkpoints must survive failing
 //! writes, stats, lists and deletes too. This layer sits *below* the retry layer, so
 //! it exercises the same path a flaky network does: an injected failure is retried,
-//! and when retries run out the store's callers see a temporary error. A failed write
-//! fails at `close`, after its bytes went through but before the completing request
-//! (the PUT or multipart completion), so the object never becomes visible.
+//! and when retries run out the store's callers see a temporary error.
+//!
+//! A failed write fails at `close` in one of two ways, chosen by the same dice:
+//! before the completing request (the PUT or multipart completion) reaches the store,
+//! so the object never becomes visible; or — with [`FaultConfig::lost_replies`] —
+//! after the store applied it, with the reply lost on the way back. The second is the
+//! case that breaks naive retries of conditional writes: the retry finds the object
+//! it created itself and reports that somebody else did.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +33,11 @@ pub struct FaultConfig {
     pub injected: Arc<AtomicU64>,
     /// Which operations may fail (default: all of them).
     pub operations: FaultOperations,
+    /// Half of the failed writes are applied by the store and only their reply is
+    /// lost (default true).
+    pub lost_replies: bool,
+    /// A shared counter of injected lost replies (a subset of `injected`).
+    pub replies_lost: Arc<AtomicU64>,
 }
 
 /// The operations a [`FaultConfig`] may fail.
@@ -85,7 +95,15 @@ impl FaultConfig {
             seed,
             injected: Arc::new(AtomicU64::new(0)),
             operations: FaultOperations::ALL,
+            lost_replies: true,
+            replies_lost: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// How many of the injected failures were writes applied with their reply lost.
+    #[must_use]
+    pub fn replies_lost(&self) -> u64 {
+        self.replies_lost.load(Ordering::Relaxed)
     }
 
     /// How many failures have been injected so far.
@@ -107,27 +125,63 @@ struct Dice {
     ratio: f64,
     injected: Arc<AtomicU64>,
     operations: FaultOperations,
+    lost_replies: bool,
+    replies_lost: Arc<AtomicU64>,
+}
+
+/// What an injected write failure does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WriteFault {
+    None,
+    /// The completing request never reaches the store.
+    Before,
+    /// The store applies it; the reply is lost.
+    ReplyLost,
 }
 
 impl Dice {
     fn roll(&self, operation: &'static str, path: &str) -> Result<()> {
-        if !self.operations.includes(operation) {
-            return Ok(());
-        }
-        // A poisoned lock only means another roll panicked; the generator is intact.
-        let mut rng = self
-            .rng
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if rng.gen_bool(self.ratio) {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::new(ErrorKind::Unexpected, "injected fault")
-                .with_operation(operation)
-                .with_context("path", path)
-                .set_temporary());
+        if self.fails(operation) {
+            return Err(injected(operation, path, "injected fault"));
         }
         Ok(())
     }
+
+    fn fails(&self, operation: &'static str) -> bool {
+        if !self.operations.includes(operation) {
+            return false;
+        }
+        let failed = self.rng().gen_bool(self.ratio);
+        if failed {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+        }
+        failed
+    }
+
+    fn roll_write(&self) -> WriteFault {
+        if !self.fails("write") {
+            return WriteFault::None;
+        }
+        if self.lost_replies && self.rng().gen_bool(0.5) {
+            self.replies_lost.fetch_add(1, Ordering::Relaxed);
+            return WriteFault::ReplyLost;
+        }
+        WriteFault::Before
+    }
+
+    fn rng(&self) -> std::sync::MutexGuard<'_, StdRng> {
+        // A poisoned lock only means another roll panicked; the generator is intact.
+        self.rng
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn injected(operation: &'static str, path: &str, what: &'static str) -> Error {
+    Error::new(ErrorKind::Unexpected, what)
+        .with_operation(operation)
+        .with_context("path", path)
+        .set_temporary()
 }
 
 impl FaultLayer {
@@ -138,6 +192,8 @@ impl FaultLayer {
                 ratio: config.error_ratio.clamp(0.0, 1.0),
                 injected: Arc::clone(&config.injected),
                 operations: config.operations,
+                lost_replies: config.lost_replies,
+                replies_lost: Arc::clone(&config.replies_lost),
             }),
         }
     }
@@ -201,9 +257,11 @@ impl Service for FaultService {
 
     fn write(&self, ctx: &OperationContext, path: &str, args: OpWrite) -> Result<Self::Writer> {
         Ok(FaultWriter {
-            inner: self.inner.write(ctx, path, args)?,
+            if_not_exists: args.if_not_exists(),
+            inner: self.inner.write(ctx, path, args.clone())?,
             dice: Arc::clone(&self.dice),
             path: path.to_owned(),
+            applied: None,
         })
     }
 
@@ -261,6 +319,10 @@ struct FaultWriter {
     inner: oio::Writer,
     dice: Arc<Dice>,
     path: String,
+    if_not_exists: bool,
+    /// The store applied this write but the caller was told it failed: what the
+    /// store answers when the same request is sent again.
+    applied: Option<Metadata>,
 }
 
 impl oio::Write for FaultWriter {
@@ -269,10 +331,36 @@ impl oio::Write for FaultWriter {
     }
 
     async fn close(&mut self) -> Result<Metadata> {
-        // The completing request fails before it reaches the store: nothing becomes
-        // visible, and the retry layer may close again.
-        self.dice.roll("write", &self.path)?;
-        self.inner.close_dyn().await
+        if let Some(applied) = &self.applied {
+            // The request is sent again: a conditional create now finds the object it
+            // created itself; a plain write replaces it with the same bytes.
+            return if self.if_not_exists {
+                Err(Error::new(
+                    ErrorKind::ConditionNotMatch,
+                    "the object already exists (if_not_exists)",
+                )
+                .with_operation("write")
+                .with_context("path", &self.path))
+            } else {
+                Ok(applied.clone())
+            };
+        }
+        match self.dice.roll_write() {
+            WriteFault::None => self.inner.close_dyn().await,
+            // The completing request fails before it reaches the store: nothing
+            // becomes visible, and the retry layer may close again.
+            WriteFault::Before => Err(injected("write", &self.path, "injected fault")),
+            // The store applies the write; its caller hears only a failure and retries
+            // (a conditional create then finds the object it made itself).
+            WriteFault::ReplyLost => {
+                self.applied = Some(self.inner.close_dyn().await?);
+                Err(injected(
+                    "write",
+                    &self.path,
+                    "injected fault: the write was applied but its reply was lost",
+                ))
+            }
+        }
     }
 
     async fn abort(&mut self) -> Result<()> {

@@ -3,20 +3,36 @@
 //! A lease scope (`lease/` for the job, `journal/<name>/lease/` for a journal) holds
 //! `current.json` — owner id, holder, expiry — and one `claims/<owner>.json` per owner
 //! id ever taken. A new owner takes the next id by *creating* its claim file
-//! (if-not-exists), so two writers racing for the same expired lease cannot both get
-//! an id: the loser's create fails. The winner then writes `current.json`, waits a
-//! settle delay and reads it back to catch a writer that skipped the protocol (the
-//! seed's re-read). Owner ids only grow — releasing marks the lease released rather
-//! than deleting it — so an owner id is a fencing token: [`Lease::check`], run by
-//! [`crate::Store::commit`] right before the global manifest is written, fails once
-//! anybody else has taken a later id.
+//! (if-not-exists, atomic on every store), and judges whether the lease is free from
+//! the newest of `current.json` and the highest claim: two writers racing for an
+//! expired lease cannot both get an id (the loser's create fails), and a writer that
+//! read the lease just before another claimed it finds that claim when it tries the
+//! same id, so of any number of racers at most one acquires. The winner then writes
+//! `current.json`, waits a settle delay and reads it back to catch a writer that
+//! skipped the protocol (the seed's re-read). Owner ids only grow — releasing marks
+//! the lease released rather than deleting it — so an owner id is a fencing token:
+//! [`Lease::check`], run by [`crate::Store::commit`] right before the global manifest
+//! is written, fails once anybody else has taken a later id.
+//!
+//! Every write on the holder's behalf goes through a store [fenced](crate::Store::fenced)
+//! by the lease's [`Fence`]: a local deadline, a quarter of the TTL before the lease
+//! lapses, after which nothing more is written until a refresh has confirmed the
+//! lease. An owner that was paused (a stopped process, a long GC pause, a suspended
+//! VM) therefore writes nothing when it resumes, and a commit is given up at that
+//! deadline, before a successor may take over.
+//!
+//! Holders are identified by a random instance token drawn once per process, with
+//! the kernel's boot id and the process's pid namespace: host names and pids repeat
+//! across containers (pid 1 everywhere), tokens do not. A process reclaims its own
+//! lease only with the token it holds, and judges a holder dead only when it ran
+//! under the same kernel boot and pid namespace and its pid is gone.
 //!
 //! Expiry compares wall clocks of different machines; keep the TTL far above their
 //! skew (the default is 60 s, refreshed every 20 s).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rand::RngCore;
@@ -77,17 +93,19 @@ pub struct LeaseConfig {
     /// Who we are, shown to a writer that finds the lease held (default
     /// `HOSTNAME pid PID`).
     pub holder: String,
-    /// Take over an unexpired lease whose holder is exactly `holder` (default
-    /// false). For a process that restarts a job in-process after a crash of its own
-    /// earlier run: the earlier holder is known dead. The takeover still claims a new
-    /// owner id, so the dead run is fenced.
+    /// Take over an unexpired lease held by this very process (default false): by
+    /// an earlier run of the job in this process that crashed (the engine restarts
+    /// jobs in-process). Judged by the process's random instance token, never by
+    /// the holder's name. The takeover still claims a new owner id, so the earlier
+    /// run is fenced.
     pub reclaim_own: bool,
-    /// Take over an unexpired lease whose holder is a process of this host that no
-    /// longer exists (default true): a coordinator restarted after a crash need not
-    /// wait out its dead predecessor's TTL. Only holders named `HOST pid PID` with
-    /// this host's name are judged, and only where `/proc` shows processes; a reused
-    /// pid makes us wait, never take over from a live holder. The dead holder is
-    /// fenced by the new owner id like any lost lease.
+    /// Take over an unexpired lease whose holder was a process that has exited,
+    /// under this kernel boot and in this pid namespace (default true): a
+    /// coordinator restarted after a crash need not wait out its dead predecessor's
+    /// TTL. Only judged where `/proc` shows processes; a holder from another boot,
+    /// another container (pid namespace) or an older version is waited for, and a
+    /// reused pid makes us wait, never take over from a live holder. The dead holder
+    /// is fenced by the new owner id like any lost lease.
     pub reclaim_dead_local: bool,
 }
 
@@ -115,19 +133,52 @@ impl Default for LeaseConfig {
     }
 }
 
-/// Whether `holder` names a process of this host (`HOST pid PID`) that has exited.
-fn is_dead_local(holder: &str) -> bool {
-    let Some((host, pid)) = holder.rsplit_once(" pid ") else {
-        return false;
-    };
-    let Ok(pid) = pid.parse::<u32>() else {
-        return false;
-    };
+/// Who this process is, in lease records.
+#[derive(Debug)]
+struct Identity {
+    /// Random, drawn once per process: the token a process reclaims its own lease with.
+    instance: String,
+    /// `/proc/sys/kernel/random/boot_id`, empty where there is none.
+    boot_id: String,
+    /// The pid namespace (`/proc/self/ns/pid`), empty where there is none.
+    pid_namespace: String,
+}
+
+fn identity() -> &'static Identity {
+    static IDENTITY: OnceLock<Identity> = OnceLock::new();
+    IDENTITY.get_or_init(|| Identity {
+        instance: format!(
+            "{:016x}{:016x}",
+            rand::rngs::OsRng.next_u64(),
+            rand::rngs::OsRng.next_u64()
+        ),
+        boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|id| id.trim().to_owned())
+            .unwrap_or_default(),
+        pid_namespace: std::fs::read_link("/proc/self/ns/pid")
+            .map(|ns| ns.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    })
+}
+
+/// Whether `record` was taken by this process (same instance token).
+fn is_own(record: &LeaseRecord) -> bool {
+    !record.instance.is_empty() && record.instance == identity().instance
+}
+
+/// Whether `record`'s holder was a process of this kernel boot and pid namespace
+/// that has exited.
+fn is_dead_local(record: &LeaseRecord) -> bool {
+    let us = identity();
     let proc = std::path::Path::new("/proc");
-    host == host_name()
-        && pid != std::process::id()
+    !us.boot_id.is_empty()
+        && !us.pid_namespace.is_empty()
+        && record.boot_id == us.boot_id
+        && record.pid_namespace == us.pid_namespace
+        && record.pid != 0
+        && record.pid != std::process::id()
         && proc.join("self").exists()
-        && !proc.join(pid.to_string()).exists()
+        && !proc.join(record.pid.to_string()).exists()
 }
 
 /// The content of a lease file.
@@ -146,6 +197,19 @@ pub struct LeaseRecord {
     pub expires_at_millis: u64,
     /// Given up by its owner.
     pub released: bool,
+    /// The holder process's random instance token (empty in records of older
+    /// versions).
+    #[serde(default)]
+    pub instance: String,
+    /// The holder's kernel boot id.
+    #[serde(default)]
+    pub boot_id: String,
+    /// The holder's pid namespace.
+    #[serde(default)]
+    pub pid_namespace: String,
+    /// The holder's pid, within that namespace.
+    #[serde(default)]
+    pub pid: u32,
 }
 
 impl LeaseRecord {
@@ -167,6 +231,88 @@ pub struct Lease {
     config: LeaseConfig,
     clock: Arc<dyn Clock>,
     record: Mutex<LeaseRecord>,
+    fence: Fence,
+}
+
+/// The local half of fencing: until when a lease holder may start writes.
+///
+/// Cheap to clone and check (no I/O). It allows writes until a quarter of the TTL
+/// before the lease lapses, is moved on by every successful [`Lease::refresh`], and
+/// is closed for good when the lease is found lost or is released. A store
+/// [fenced](crate::Store::fenced) by it refuses every write and delete once it is
+/// closed, with [`StoreError::LeaseLost`].
+#[derive(Clone, Debug)]
+pub struct Fence {
+    state: Arc<FenceState>,
+}
+
+#[derive(Debug)]
+struct FenceState {
+    owner: u64,
+    write_until_millis: AtomicU64,
+    lost: AtomicBool,
+    clock: Arc<dyn Clock>,
+}
+
+impl Fence {
+    fn new(owner: u64, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            state: Arc::new(FenceState {
+                owner,
+                write_until_millis: AtomicU64::new(0),
+                lost: AtomicBool::new(false),
+                clock,
+            }),
+        }
+    }
+
+    /// The owner id it fences for.
+    #[must_use]
+    pub fn owner(&self) -> u64 {
+        self.state.owner
+    }
+
+    /// Fails with [`StoreError::LeaseLost`] unless writes may start now.
+    pub fn check(&self) -> Result<(), StoreError> {
+        let lost = |reason: String| StoreError::LeaseLost {
+            owner: self.state.owner,
+            reason,
+        };
+        if self.state.lost.load(Ordering::SeqCst) {
+            return Err(lost(
+                "it was taken over or released; this writer must stop".to_owned(),
+            ));
+        }
+        let until = self.state.write_until_millis.load(Ordering::SeqCst);
+        if self.state.clock.now_millis() >= until {
+            return Err(lost(format!(
+                "its write deadline {} passed without a refresh",
+                rfc3339(until)
+            )));
+        }
+        Ok(())
+    }
+
+    /// How long writes may still start (zero once closed).
+    #[must_use]
+    pub fn time_left(&self) -> Duration {
+        if self.state.lost.load(Ordering::SeqCst) {
+            return Duration::ZERO;
+        }
+        let until = self.state.write_until_millis.load(Ordering::SeqCst);
+        Duration::from_millis(until.saturating_sub(self.state.clock.now_millis()))
+    }
+
+    fn extend(&self, expires_at_millis: u64, ttl_millis: u64) {
+        self.state.write_until_millis.store(
+            expires_at_millis.saturating_sub(ttl_millis / 4),
+            Ordering::SeqCst,
+        );
+    }
+
+    fn close(&self) {
+        self.state.lost.store(true, Ordering::SeqCst);
+    }
 }
 
 /// RFC 3339 UTC of a millisecond timestamp.
@@ -201,26 +347,45 @@ impl Lease {
             });
         }
         let scope = scope.to_owned();
+        let store = store.unfenced();
+        let store = &store;
         let now = clock.now_millis();
         let current = read_current(store, &scope).await?;
-        if let Some(current) = &current {
-            if current.live_at(now) {
-                let own = config.reclaim_own && current.holder == config.holder;
-                let dead = config.reclaim_dead_local && is_dead_local(&current.holder);
+        let highest_claim = claims(store, &scope).await?.last().copied().unwrap_or(0);
+        // The newest word on who holds the lease: `current.json`, or a claim newer
+        // than it (taken by a writer that has not written `current.json` yet).
+        let newest = match &current {
+            Some(current) if current.owner >= highest_claim => Some(current.clone()),
+            _ if highest_claim > 0 => {
+                match read_record(store, &claim_path(&scope, highest_claim)).await {
+                    Ok(claim) => Some(claim),
+                    Err(StoreError::NotFound { .. }) => current.clone(),
+                    Err(StoreError::Corrupt { path, problem }) => {
+                        tracing::warn!(path, problem, "ignoring a corrupt lease claim");
+                        current.clone()
+                    }
+                    Err(other) => return Err(other),
+                }
+            }
+            _ => current.clone(),
+        };
+        if let Some(newest) = &newest {
+            if newest.live_at(now) {
+                let own = config.reclaim_own && is_own(newest);
+                let dead = config.reclaim_dead_local && is_dead_local(newest);
                 if !own && !dead {
-                    return Err(held(current));
+                    return Err(held(newest));
                 }
                 if dead {
                     tracing::info!(
-                        holder = current.holder,
-                        owner = current.owner,
+                        holder = newest.holder,
+                        owner = newest.owner,
                         "taking over the lease of a process of this host that has exited"
                     );
                 }
             }
         }
-        let highest_claim = claims(store, &scope).await?.last().copied().unwrap_or(0);
-        let owner = current
+        let owner = newest
             .as_ref()
             .map_or(0, |c| c.owner)
             .max(highest_claim)
@@ -236,6 +401,10 @@ impl Lease {
             acquired_at_millis: now,
             expires_at_millis: now.saturating_add(ttl_millis(&config)),
             released: false,
+            instance: identity().instance.clone(),
+            boot_id: identity().boot_id.clone(),
+            pid_namespace: identity().pid_namespace.clone(),
+            pid: std::process::id(),
         };
         let claim = claim_path(&scope, owner);
         if !store.put_raw(&claim, encode(&record), true).await? {
@@ -270,12 +439,15 @@ impl Lease {
         if let Err(error) = store.delete_all(stale, 4).await {
             tracing::debug!(%error, "pruning old lease claims failed");
         }
+        let fence = Fence::new(owner, Arc::clone(&clock));
+        fence.extend(record.expires_at_millis, ttl_millis(&config));
         Ok(Self {
             store: store.clone(),
             scope,
             config,
             clock,
             record: Mutex::new(record),
+            fence,
         })
     }
 
@@ -294,6 +466,12 @@ impl Lease {
             .clone()
     }
 
+    /// The lease's fence, for [`crate::Store::fenced`].
+    #[must_use]
+    pub fn fence(&self) -> Fence {
+        self.fence.clone()
+    }
+
     /// Whether a third of the TTL has passed since the last refresh.
     #[must_use]
     pub fn needs_refresh(&self) -> bool {
@@ -306,6 +484,14 @@ impl Lease {
     /// Fencing: succeeds only if the lease in the store is still ours, unexpired, and
     /// no later owner id has been claimed.
     pub async fn check(&self) -> Result<(), StoreError> {
+        let outcome = self.check_store().await;
+        if matches!(outcome, Err(StoreError::LeaseLost { .. })) {
+            self.fence.close();
+        }
+        outcome
+    }
+
+    async fn check_store(&self) -> Result<(), StoreError> {
         let ours = self.record();
         let now = self.clock.now_millis();
         let lost = |reason: String| StoreError::LeaseLost {
@@ -350,6 +536,8 @@ impl Lease {
         self.store
             .put_raw(&current_path(&self.scope), encode(&next), false)
             .await?;
+        self.fence
+            .extend(next.expires_at_millis, ttl_millis(&self.config));
         *self
             .record
             .lock()
@@ -364,6 +552,7 @@ impl Lease {
             tracing::warn!(%error, "not releasing a lease that is no longer ours");
             return Ok(());
         }
+        self.fence.close();
         let mut released = self.record();
         released.released = true;
         released.expires_at_millis = self.clock.now_millis();

@@ -53,6 +53,7 @@
 )]
 
 mod crypto;
+mod durable_fs;
 mod error;
 mod faults;
 pub mod gc;
@@ -69,7 +70,9 @@ pub use error::StoreError;
 pub use faults::{FaultConfig, FaultOperations};
 pub use gc::{GcBackoff, GcPlan, GcReport, Retention};
 pub use journal::{Journal, JournalConfig, Resumed};
-pub use lease::{Clock, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock, lease_holder};
+pub use lease::{
+    Clock, Fence, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock, lease_holder,
+};
 pub use progress::{Progress, TransferEvent, TransferKind};
 pub use restore::restore_checkpoint;
 pub use store::{

@@ -18,9 +18,10 @@ use stillpoint_wire::{
 use tokio::io::AsyncWriteExt;
 
 use crate::crypto::{Cipher, looks_sealed, sealed_len};
+use crate::durable_fs::{DurableFsLayer, create_dirs_durably, sync_dir};
 use crate::faults::FaultLayer;
 use crate::layout;
-use crate::lease::Lease;
+use crate::lease::{Fence, Lease};
 use crate::{Progress, StoreError, StoreOptions, StoreUri, TransferEvent, TransferKind};
 
 /// One job's checkpoint store. Cheap to clone; clones share one connection pool.
@@ -30,6 +31,9 @@ use crate::{Progress, StoreError, StoreOptions, StoreUri, TransferEvent, Transfe
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<Inner>,
+    /// When set, every write and delete first checks that the lease behind it may
+    /// still write ([`Store::fenced`]).
+    fence: Option<Fence>,
 }
 
 #[derive(Debug)]
@@ -181,7 +185,37 @@ impl Store {
                 options,
                 known: Mutex::new(HashSet::new()),
             }),
+            fence: None,
         })
+    }
+
+    /// A handle on the same store whose every write and delete first checks `fence`:
+    /// once the lease behind it is lost, or too close to expiry for a write to finish
+    /// before another writer may take over, nothing more is written through it.
+    /// Give it to everything that writes on the lease holder's behalf (the export
+    /// threads, the coordinator).
+    #[must_use]
+    pub fn fenced(&self, fence: Fence) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            fence: Some(fence),
+        }
+    }
+
+    /// The same store without a fence.
+    #[must_use]
+    pub fn unfenced(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            fence: None,
+        }
+    }
+
+    fn check_fence(&self) -> Result<(), StoreError> {
+        match &self.fence {
+            Some(fence) => fence.check(),
+            None => Ok(()),
+        }
     }
 
     /// Where the store lives (no credentials).
@@ -222,22 +256,56 @@ impl Store {
 
     /// Writes bytes as they are (the lease is never encrypted: anyone must be able to
     /// read who holds it).
+    ///
+    /// A conditional create (`if_not_exists`) that finds the object holding exactly
+    /// `bytes` counts as created: that is its own earlier attempt, applied by the
+    /// store while the reply was lost and the request retried. (Every conditionally
+    /// created object of the store is unique to its writer — a lease claim carries a
+    /// random nonce, a manifest its owner and times — so equal bytes mean "ours".)
     pub(crate) async fn put_raw(
         &self,
         path: &str,
         bytes: Vec<u8>,
         if_not_exists: bool,
     ) -> Result<bool, StoreError> {
+        self.check_fence()?;
+        let bytes = Bytes::from(bytes);
         match self
             .inner
             .op
-            .write_with(path, bytes)
+            .write_with(path, bytes.clone())
             .if_not_exists(if_not_exists)
             .await
         {
             Ok(_) => Ok(true),
-            Err(e) if if_not_exists && e.kind() == ErrorKind::ConditionNotMatch => Ok(false),
+            Err(e) if if_not_exists && e.kind() == ErrorKind::ConditionNotMatch => {
+                match self.get_raw(path).await {
+                    Ok(found) if found == bytes => {
+                        tracing::debug!(path, "a retried create found its own earlier write");
+                        Ok(true)
+                    }
+                    Ok(_) => Ok(false),
+                    Err(error) if error.is_not_found() => Ok(false),
+                    Err(error) => Err(error),
+                }
+            }
             Err(e) => Err(StoreError::backend("write", path, e)),
+        }
+    }
+
+    /// Creates an object that is written once; one holding the same plaintext
+    /// already is fine, one holding other content is [`StoreError::AlreadyWritten`].
+    pub(crate) async fn put_once(&self, path: &str, plain: Vec<u8>) -> Result<(), StoreError> {
+        let expected = Sha256Digest::of(&plain);
+        if self.put_new(path, plain).await? {
+            return Ok(());
+        }
+        match self.get(path).await {
+            Ok(found) if Sha256Digest::of(&found) == expected => Ok(()),
+            Ok(_) => Err(StoreError::AlreadyWritten {
+                path: path.to_owned(),
+            }),
+            Err(error) => Err(error),
         }
     }
 
@@ -304,6 +372,7 @@ impl Store {
         paths: Vec<String>,
         max_failures: usize,
     ) -> Result<usize, StoreError> {
+        self.check_fence()?;
         let failures: Mutex<Vec<StoreError>> = Mutex::new(Vec::new());
         let deleted = futures::stream::iter(paths)
             .map(|path| {
@@ -411,7 +480,9 @@ impl Store {
             .await?;
         let path = layout::task_manifest(manifest.checkpoint, manifest.task);
         let sha256 = Sha256Digest::of(&document);
-        self.put(path.as_str(), document).await?;
+        // Created once: a committed checkpoint's task manifests can never be replaced,
+        // not even by a paused former owner that resumes with the same checkpoint id.
+        self.put_once(path.as_str(), document).await?;
         progress.on_event(&TransferEvent::Finished {
             kind: TransferKind::Upload,
         });
@@ -481,8 +552,9 @@ impl Store {
                 problem: format!("{} bytes, manifest says {}", meta.len(), file.size),
             });
         }
-        if let Some(target) = self.linkable(&file.path, &object) {
-            match link_verified(local.clone(), target, file.sha256).await {
+        self.check_fence()?;
+        if let Some((root, target)) = self.linkable(&file.path, &object) {
+            match link_verified(root, local.clone(), target, file.sha256).await {
                 Ok(()) => {
                     self.remember(file.sha256);
                     return Ok(true);
@@ -553,6 +625,7 @@ impl Store {
             Ok(())
         }
         .await;
+        let result = result.and_then(|()| self.check_fence());
         match result {
             Ok(()) => writer
                 .close()
@@ -589,7 +662,22 @@ impl Store {
             .try_for_each(|_| async { Ok(()) })
             .await?;
         lease.check().await?;
-        if !self.put_new(&path, document).await? {
+        // The commit must land while the lease is certainly ours: its write starts
+        // only if it can finish before the lease's write deadline (which ends well
+        // before the lease may be taken over), and is given up at that deadline.
+        let store = self.fenced(lease.fence());
+        let deadline = lease.fence().time_left();
+        let created = tokio::time::timeout(deadline, store.put_new(&path, document))
+            .await
+            .map_err(|_| StoreError::LeaseLost {
+                owner: lease.owner(),
+                reason: format!(
+                    "the commit of {} did not finish within the lease's remaining {} ms",
+                    manifest.checkpoint,
+                    deadline.as_millis()
+                ),
+            })??;
+        if !created {
             return Err(StoreError::AlreadyCommitted(manifest.checkpoint));
         }
         tracing::info!(checkpoint = %manifest.checkpoint, tasks = manifest.tasks.len(), "checkpoint committed");
@@ -963,11 +1051,16 @@ impl Store {
     /// injection, and a file RocksDB never modifies after writing (and syncing) it —
     /// SST and blob files. Downloads always copy, so a restored database never shares
     /// an inode with the store.
-    fn linkable(&self, file: &RelativePath, object: &str) -> Option<PathBuf> {
+    fn linkable(&self, file: &RelativePath, object: &str) -> Option<(PathBuf, PathBuf)> {
         let immutable = [".sst", ".blob"]
             .iter()
             .any(|suffix| file.file_name().ends_with(suffix));
-        self.local_object(object).filter(|_| immutable)
+        let StoreUri::File { root } = &self.inner.uri else {
+            return None;
+        };
+        self.local_object(object)
+            .filter(|_| immutable)
+            .map(|target| (root.clone(), target))
     }
 
     /// Where `object` lies on the local file system, when the store is a `file://`
@@ -1053,7 +1146,8 @@ impl Store {
     // Statistics and deletion.
 
     /// Stores a statistics document for a checkpoint (the engine's per-checkpoint
-    /// figures), replacing any earlier one.
+    /// figures). It is written once: statistics of another writer for the same id are
+    /// [`StoreError::AlreadyWritten`].
     pub async fn put_stats<T: serde::Serialize>(
         &self,
         id: CheckpointId,
@@ -1064,7 +1158,7 @@ impl Store {
             path: path.clone(),
             problem: format!("statistics could not be encoded: {e}"),
         })?;
-        self.put(&path, bytes).await
+        self.put_once(&path, bytes).await
     }
 
     /// Records that the job ended at committed checkpoint `id`: its bounded input was
@@ -1235,7 +1329,12 @@ async fn copy_verified(
 /// Checks that `from` hashes to `digest`, hard-links it at `to` (creating `to`'s
 /// directory) and syncs that directory, so the new name survives a crash. An existing
 /// `to` is kept: the store is content-addressed, so it already holds the same bytes.
-async fn link_verified(from: PathBuf, to: PathBuf, digest: Sha256Digest) -> Result<(), StoreError> {
+async fn link_verified(
+    root: PathBuf,
+    from: PathBuf,
+    to: PathBuf,
+    digest: Sha256Digest,
+) -> Result<(), StoreError> {
     tokio::task::spawn_blocking(move || {
         let computed = hash_file(&from)?;
         if computed != digest {
@@ -1245,16 +1344,15 @@ async fn link_verified(from: PathBuf, to: PathBuf, digest: Sha256Digest) -> Resu
             });
         }
         let parent = to.parent().unwrap_or_else(|| Path::new("."));
-        std::fs::create_dir_all(parent)
-            .map_err(|e| StoreError::local("create directory", parent, &e))?;
+        let backend =
+            |e: opendal::Error| StoreError::local("sync", parent, &std::io::Error::other(e));
+        create_dirs_durably(&root, parent).map_err(backend)?;
         match std::fs::hard_link(&from, &to) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
             Err(e) => return Err(StoreError::local("link", &to, &e)),
         }
-        std::fs::File::open(parent)
-            .and_then(|dir| dir.sync_all())
-            .map_err(|e| StoreError::local("sync", parent, &e))
+        sync_dir(parent).map_err(backend)
     })
     .await
     .map_err(|e| StoreError::Local {
@@ -1289,15 +1387,17 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
     };
     let op = match uri {
         StoreUri::File { root } => {
-            // Writes go to a temporary file renamed into place: a crash mid-write never
-            // leaves a partial object under its final name.
+            // Writes are staged in `.tmp/`, synced and published by one link or
+            // rename, their directories synced (see `durable_fs`): a crash never leaves
+            // a partial object under its final name, a conditional create has one
+            // winner, and a write that returned survives a power loss.
             let staging = root.join(".tmp");
             std::fs::create_dir_all(&staging)
                 .map_err(|e| StoreError::local("create directory", &staging, &e))?;
-            let builder = opendal::services::Fs::default()
-                .root(&root.to_string_lossy())
-                .atomic_write_dir(&staging.to_string_lossy());
-            Operator::new(builder).map_err(config_error)?
+            let builder = opendal::services::Fs::default().root(&root.to_string_lossy());
+            Operator::new(builder)
+                .map_err(config_error)?
+                .layer(DurableFsLayer::new(root.clone(), staging))
         }
         StoreUri::Memory { name: None } => {
             Operator::new(opendal::services::Memory::default()).map_err(config_error)?

@@ -1,0 +1,399 @@
+//! Writes of a `file://` store that are atomic, race-free and durable: an OpenDAL
+//! layer over the fs service that replaces its writer.
+//!
+//! OpenDAL's fs writer checks `if_not_exists` when the writer is created and renames
+//! its temporary file over the target at close, so two writers can both "create" the
+//! same object (two owners of one lease claim, two commits of one checkpoint), and it
+//! never syncs the directories it creates or renames into, so after a power loss a
+//! committed checkpoint can vanish while the output it let sinks publish stays. Here
+//! every write goes to a fresh staging file under the root's `.tmp/`, is synced, and
+//! is then published by one system call:
+//!
+//! - a conditional create (`if_not_exists`) hard-links the staging file at the target:
+//!   `link(2)` fails with `EEXIST` when the name exists, atomically, so of any number
+//!   of racing writers — threads or processes — exactly one wins;
+//! - any other write renames it over the target (readers see the old or the new
+//!   object, never a part).
+//!
+//! Every directory the write created is synced into its parent, and the target's
+//! directory is synced after the new name is in it, before `close` returns: once a
+//! write (a task manifest, the commit marker) has returned, it survives a power loss.
+
+use std::io::Write as _;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use opendal::raw::*;
+use opendal::{Buffer, Capability, Error, ErrorKind, Metadata, OperationContext, Result};
+
+/// The layer: writes under `root` are staged in `staging` (on the same file system).
+#[derive(Clone, Debug)]
+pub(crate) struct DurableFsLayer {
+    paths: Arc<Paths>,
+}
+
+#[derive(Debug)]
+struct Paths {
+    root: PathBuf,
+    staging: PathBuf,
+    /// Staging file names are unique within the process; the pid and a random
+    /// prefix make them unique across processes sharing the store.
+    prefix: String,
+    next: AtomicU64,
+}
+
+impl DurableFsLayer {
+    pub(crate) fn new(root: PathBuf, staging: PathBuf) -> Self {
+        let prefix = format!("{}-{:016x}", std::process::id(), rand::random::<u64>());
+        Self {
+            paths: Arc::new(Paths {
+                root,
+                staging,
+                prefix,
+                next: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+impl Layer for DurableFsLayer {
+    fn apply_service(&self, inner: Servicer) -> Servicer {
+        Arc::new(DurableFsService {
+            inner,
+            paths: Arc::clone(&self.paths),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct DurableFsService {
+    inner: Servicer,
+    paths: Arc<Paths>,
+}
+
+impl Service for DurableFsService {
+    type Reader = oio::Reader;
+    type Writer = DurableWriter;
+    type Lister = oio::Lister;
+    type Deleter = oio::Deleter;
+    type Copier = oio::Copier;
+    type Composer = oio::Composer;
+
+    fn info(&self) -> ServiceInfo {
+        self.inner.info()
+    }
+
+    fn capability(&self) -> Capability {
+        let mut capability = self.inner.capability();
+        // The writer below is sequential and does not append.
+        capability.write_can_append = false;
+        capability.write_can_copy_from = false;
+        capability.write_with_if_not_exists = true;
+        capability
+    }
+
+    fn compose(&self, ctx: &OperationContext, to: &str, args: OpCompose) -> Result<Self::Composer> {
+        self.inner.compose(ctx, to, args)
+    }
+
+    async fn create_dir(
+        &self,
+        ctx: &OperationContext,
+        path: &str,
+        args: OpCreateDir,
+    ) -> Result<RpCreateDir> {
+        self.inner.create_dir(ctx, path, args).await
+    }
+
+    async fn stat(&self, ctx: &OperationContext, path: &str, args: OpStat) -> Result<RpStat> {
+        self.inner.stat(ctx, path, args).await
+    }
+
+    fn read(&self, ctx: &OperationContext, path: &str, args: OpRead) -> Result<Self::Reader> {
+        self.inner.read(ctx, path, args)
+    }
+
+    fn write(&self, _ctx: &OperationContext, path: &str, args: OpWrite) -> Result<Self::Writer> {
+        if args.append() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "the store's file writes do not append",
+            ));
+        }
+        let target = confined(&self.paths.root, path)?;
+        let n = self.paths.next.fetch_add(1, Ordering::Relaxed);
+        let staged = self
+            .paths
+            .staging
+            .join(format!("{}-{n}.part", self.paths.prefix));
+        Ok(DurableWriter {
+            root: self.paths.root.clone(),
+            target,
+            staged,
+            file: None,
+            if_not_exists: args.if_not_exists(),
+            written: 0,
+            done: false,
+            published: None,
+        })
+    }
+
+    fn copy(
+        &self,
+        ctx: &OperationContext,
+        from: &str,
+        to: &str,
+        args: OpCopy,
+    ) -> Result<Self::Copier> {
+        self.inner.copy(ctx, from, to, args)
+    }
+
+    fn list(&self, ctx: &OperationContext, path: &str, args: OpList) -> Result<Self::Lister> {
+        self.inner.list(ctx, path, args)
+    }
+
+    fn delete(&self, ctx: &OperationContext) -> Result<Self::Deleter> {
+        self.inner.delete(ctx)
+    }
+
+    async fn rename(
+        &self,
+        ctx: &OperationContext,
+        from: &str,
+        to: &str,
+        args: OpRename,
+    ) -> Result<RpRename> {
+        self.inner.rename(ctx, from, to, args).await
+    }
+
+    async fn restore(
+        &self,
+        ctx: &OperationContext,
+        path: &str,
+        args: OpRestore,
+    ) -> Result<RpRestore> {
+        self.inner.restore(ctx, path, args).await
+    }
+
+    async fn presign(
+        &self,
+        ctx: &OperationContext,
+        path: &str,
+        args: OpPresign,
+    ) -> Result<RpPresign> {
+        self.inner.presign(ctx, path, args).await
+    }
+}
+
+/// `root` joined with an object path that must stay inside it.
+fn confined(root: &Path, path: &str) -> Result<PathBuf> {
+    let relative = Path::new(path.trim_start_matches('/'));
+    let inside = relative
+        .components()
+        .all(|c| matches!(c, Component::Normal(_)));
+    if !inside || relative.as_os_str().is_empty() {
+        return Err(Error::new(
+            ErrorKind::NotFound,
+            "an object path must name a file inside the store's root",
+        )
+        .with_context("path", path));
+    }
+    Ok(root.join(relative))
+}
+
+/// A write staged in a file of its own and published at `close`.
+struct DurableWriter {
+    root: PathBuf,
+    target: PathBuf,
+    staged: PathBuf,
+    file: Option<std::fs::File>,
+    if_not_exists: bool,
+    written: u64,
+    /// Published or aborted: nothing to clean up.
+    done: bool,
+    /// The length of the published object, once `close` succeeded (a second `close`
+    /// answers the same instead of publishing an empty file).
+    published: Option<u64>,
+}
+
+impl DurableWriter {
+    fn file(&mut self) -> Result<&mut std::fs::File> {
+        if self.file.is_none() {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&self.staged)
+                .map_err(|e| io_error(e, "create a staging file", &self.staged))?;
+            self.file = Some(file);
+        }
+        self.file
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Unexpected, "staging file not open"))
+    }
+}
+
+impl oio::Write for DurableWriter {
+    async fn write(&mut self, bs: Buffer) -> Result<()> {
+        // Writes of a store object are small or already on a blocking-friendly path
+        // (the store hands its large files over in parts of a few MiB); a write to
+        // the page cache does not block for long.
+        let length = bs.len() as u64;
+        let staged = self.staged.clone();
+        let file = self.file()?;
+        for chunk in bs {
+            file.write_all(&chunk)
+                .map_err(|e| io_error(e, "write a staging file", &staged))?;
+        }
+        self.written += length;
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<Metadata> {
+        if let Some(length) = self.published {
+            return Ok(opendal::MetadataBuilder::file(length).build());
+        }
+        if self.done {
+            return Err(Error::new(ErrorKind::Unexpected, "the write was aborted"));
+        }
+        self.file()?;
+        let Some(file) = self.file.take() else {
+            return Err(Error::new(ErrorKind::Unexpected, "staging file not open"));
+        };
+        let (root, staged, target, if_not_exists) = (
+            self.root.clone(),
+            self.staged.clone(),
+            self.target.clone(),
+            self.if_not_exists,
+        );
+        let outcome = tokio::task::spawn_blocking(move || {
+            publish(&root, file, &staged, &target, if_not_exists)
+        })
+        .await
+        .map_err(|e| {
+            Error::new(ErrorKind::Unexpected, "a file write's thread failed").set_source(e)
+        })?;
+        self.done = true;
+        let length = outcome?;
+        self.written = length;
+        self.published = Some(length);
+        Ok(opendal::MetadataBuilder::file(length).build())
+    }
+
+    async fn abort(&mut self) -> Result<()> {
+        self.file = None;
+        self.done = true;
+        remove_if_present(&self.staged)
+    }
+}
+
+impl Drop for DurableWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            self.file = None;
+            if let Err(error) = remove_if_present(&self.staged) {
+                tracing::debug!(%error, "removing an abandoned staging file failed");
+            }
+        }
+    }
+}
+
+/// Syncs the staged file, publishes it at `target` and syncs every directory the
+/// new name depends on. Returns the object's length.
+fn publish(
+    root: &Path,
+    file: std::fs::File,
+    staged: &Path,
+    target: &Path,
+    if_not_exists: bool,
+) -> Result<u64> {
+    let result = (|| {
+        file.sync_all()
+            .map_err(|e| io_error(e, "sync a staging file", staged))?;
+        let length = file
+            .metadata()
+            .map_err(|e| io_error(e, "stat a staging file", staged))?
+            .len();
+        drop(file);
+        let parent = target.parent().unwrap_or(root);
+        create_dirs_durably(root, parent)?;
+        if if_not_exists {
+            match std::fs::hard_link(staged, target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    return Err(Error::new(
+                        ErrorKind::ConditionNotMatch,
+                        "the object already exists (if_not_exists)",
+                    ));
+                }
+                Err(e) => return Err(io_error(e, "link", target)),
+            }
+            remove_if_present(staged)?;
+        } else {
+            std::fs::rename(staged, target).map_err(|e| io_error(e, "rename", target))?;
+        }
+        sync_dir(parent)?;
+        Ok(length)
+    })();
+    if result.is_err() {
+        // Best effort: a staging file left behind is garbage in `.tmp/`, never an object.
+        let _ignored = std::fs::remove_file(staged);
+    }
+    result
+}
+
+/// Creates `dir` and its missing ancestors below `root`, syncing each new directory
+/// into its parent so the path survives a power loss.
+pub(crate) fn create_dirs_durably(root: &Path, dir: &Path) -> Result<()> {
+    let mut missing = Vec::new();
+    let mut at = dir;
+    while at != root && !at.is_dir() {
+        missing.push(at.to_owned());
+        match at.parent() {
+            Some(parent) => at = parent,
+            None => break,
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| io_error(e, "create directory", dir))?;
+    for created in missing.iter().rev() {
+        if let Some(parent) = created.parent() {
+            sync_dir(parent)?;
+        }
+    }
+    Ok(())
+}
+
+/// Syncs a directory's entries to disk.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_error(e, "sync directory", dir))
+}
+
+fn remove_if_present(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_error(e, "remove", path)),
+    }
+}
+
+fn io_error(error: std::io::Error, what: &'static str, path: &Path) -> Error {
+    let kind = match error.kind() {
+        std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+        std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+        std::io::ErrorKind::AlreadyExists => ErrorKind::AlreadyExists,
+        _ => ErrorKind::Unexpected,
+    };
+    let mut out = Error::new(kind, what).with_context("path", path.display().to_string());
+    if matches!(
+        error.kind(),
+        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+    ) {
+        out = out.set_temporary();
+    }
+    out.set_source(error)
+}
