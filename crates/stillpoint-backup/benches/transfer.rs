@@ -220,8 +220,12 @@ fn criterion_benches(c: &mut Criterion) {
     for file in &mut unchanged.files {
         file.shared = true;
     }
+    // Each iteration is the next checkpoint (a task manifest is written once).
+    let mut next = manifest.checkpoint.get();
     c.bench_function("upload_100_unchanged_files", |b| {
         b.iter(|| {
+            next += 1;
+            unchanged.checkpoint = stillpoint_wire::CheckpointId(next);
             rt.block_on(store.upload_snapshot(&local, &unchanged, NodeId(1), &()))
                 .unwrap()
         });

@@ -18,9 +18,16 @@ const TAG_LEN: usize = 16;
 /// The environment variable [`EncryptionKey::from_env`] reads.
 pub const KEY_ENV: &str = "STILLPOINT_ENCRYPTION_KEY";
 
-/// A 256-bit key. Its `Debug` shows only a fingerprint; the key is never logged.
+/// A 256-bit key. Its `Debug` shows only a fingerprint; the key is never logged,
+/// and its bytes are wiped from memory when it is dropped.
 #[derive(Clone)]
 pub struct EncryptionKey([u8; 32]);
+
+impl Drop for EncryptionKey {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
+    }
+}
 
 impl EncryptionKey {
     /// A key from its 64 hexadecimal digits.

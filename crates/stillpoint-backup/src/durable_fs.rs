@@ -368,6 +368,8 @@ pub(crate) fn create_dirs_durably(root: &Path, dir: &Path) -> Result<()> {
 
 /// Syncs a directory's entries to disk.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(test)]
+    tests::synced(dir);
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io_error(e, "sync directory", dir))
@@ -396,4 +398,97 @@ fn io_error(error: std::io::Error, what: &'static str, path: &Path) -> Error {
         out = out.set_temporary();
     }
     out.set_source(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    use crate::{Store, StoreOptions};
+
+    static SYNCED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    pub(super) fn synced(dir: &Path) {
+        SYNCED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(dir.to_owned());
+    }
+
+    fn synced_under(root: &Path) -> Vec<PathBuf> {
+        SYNCED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|d| d.starts_with(root))
+            .cloned()
+            .collect()
+    }
+
+    /// A `file://` store at `dir/store`, and a runtime to drive it.
+    fn file_store(dir: &Path) -> (PathBuf, Store, tokio::runtime::Runtime) {
+        let root = dir.join("store");
+        let store = Store::open(
+            &format!("file://{}", root.display()),
+            StoreOptions::default(),
+        )
+        .unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        (root, store, runtime)
+    }
+
+    #[test]
+    fn a_write_that_returned_has_synced_every_directory_its_name_depends_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, store, runtime) = file_store(dir.path());
+        let path = "checkpoints/00000000000000000001/tasks/task-1.json";
+        runtime
+            .block_on(store.put(path, b"manifest".to_vec()))
+            .unwrap();
+        let synced = synced_under(&root);
+        // Each new directory into its parent, and the object's directory after the
+        // name was linked or renamed into it.
+        for needed in [
+            root.clone(),
+            root.join("checkpoints"),
+            root.join("checkpoints/00000000000000000001"),
+            root.join("checkpoints/00000000000000000001/tasks"),
+        ] {
+            assert!(
+                synced.contains(&needed),
+                "{} not synced: {synced:?}",
+                needed.display()
+            );
+        }
+        assert_eq!(std::fs::read(root.join(path)).unwrap(), b"manifest");
+        // Nothing is left staged.
+        assert_eq!(std::fs::read_dir(root.join(".tmp")).unwrap().count(), 0);
+
+        // A conditional create of the same name loses, atomically, and leaves the
+        // object as it was; a plain write replaces it.
+        let created = runtime
+            .block_on(store.put_raw(path, b"other".to_vec(), true))
+            .unwrap();
+        assert!(!created);
+        assert_eq!(std::fs::read(root.join(path)).unwrap(), b"manifest");
+        runtime
+            .block_on(store.put_raw(path, b"replaced".to_vec(), false))
+            .unwrap();
+        assert_eq!(std::fs::read(root.join(path)).unwrap(), b"replaced");
+        assert_eq!(std::fs::read_dir(root.join(".tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_path_outside_the_root_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_root, store, runtime) = file_store(dir.path());
+        let escaped =
+            runtime.block_on(store.raw_operator().write("../escaped.json", b"x".to_vec()));
+        assert!(escaped.is_err());
+        assert!(!dir.path().join("escaped.json").exists());
+    }
 }

@@ -124,6 +124,15 @@ pub enum StoreError {
         /// The object's path inside the store.
         path: String,
     },
+    /// A restore's target directory holds files that are not an interrupted restore
+    /// of the same checkpoint.
+    #[error(
+        "restore target {path} is not empty; restore into an empty directory, or overwrite it on purpose (--force)"
+    )]
+    TargetNotEmpty {
+        /// The directory.
+        path: PathBuf,
+    },
     /// A checkpoint with this id is already committed.
     #[error("{0} is already committed")]
     AlreadyCommitted(CheckpointId),

@@ -593,10 +593,10 @@ where
             resumed.elapsed = resumed.elapsed.max(file.elapsed);
         }
     }
-    if opened == 0 {
-        if let Some(error) = first_decrypt_error {
-            return Err(error);
-        }
+    if opened == 0
+        && let Some(error) = first_decrypt_error
+    {
+        return Err(error);
     }
     Ok(resumed)
 }

@@ -369,20 +369,20 @@ impl Lease {
             }
             _ => current.clone(),
         };
-        if let Some(newest) = &newest {
-            if newest.live_at(now) {
-                let own = config.reclaim_own && is_own(newest);
-                let dead = config.reclaim_dead_local && is_dead_local(newest);
-                if !own && !dead {
-                    return Err(held(newest));
-                }
-                if dead {
-                    tracing::info!(
-                        holder = newest.holder,
-                        owner = newest.owner,
-                        "taking over the lease of a process of this host that has exited"
-                    );
-                }
+        if let Some(newest) = &newest
+            && newest.live_at(now)
+        {
+            let own = config.reclaim_own && is_own(newest);
+            let dead = config.reclaim_dead_local && is_dead_local(newest);
+            if !own && !dead {
+                return Err(held(newest));
+            }
+            if dead {
+                tracing::info!(
+                    holder = newest.holder,
+                    owner = newest.owner,
+                    "taking over the lease of a process of this host that has exited"
+                );
             }
         }
         let owner = newest

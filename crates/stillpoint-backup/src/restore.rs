@@ -1,7 +1,7 @@
 //! Restore of a whole checkpoint to a local directory: parallel, verified, and
 //! resumable through a progress journal in the store.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use stillpoint_wire::CheckpointId;
@@ -12,6 +12,13 @@ use crate::{DownloadReport, Progress, Store, StoreError, layout};
 
 /// Downloads every task of committed checkpoint `id` into `dir/task-<id>/` and its
 /// global manifest to `dir/_checkpoint.json`.
+///
+/// `dir` must be empty (or missing), or hold an interrupted restore of this same
+/// checkpoint (its journal has records); anything else is
+/// [`StoreError::TargetNotEmpty`] unless `overwrite` is set. The marker
+/// `_checkpoint.json` is removed first and written last — after every restored file
+/// and directory was synced, through a synced temporary file renamed into place — so
+/// a directory holding it is a complete restore, even after a power loss.
 ///
 /// Each finished file is recorded in the journal `restore/<id>`; a restore that was
 /// interrupted resumes from it: local files that already hash to their manifest's
@@ -27,10 +34,22 @@ pub async fn restore_checkpoint(
     progress: &dyn Progress,
     config: JournalConfig,
     clock: Arc<dyn Clock>,
+    overwrite: bool,
 ) -> Result<DownloadReport, StoreError> {
     let manifest = store.checkpoint(id).await?;
     let name = format!("restore/{:020}", id.get());
     let resumed: Resumed<u32, String, ()> = journal::resume(store, &name).await?;
+    if !overwrite && resumed.records.is_empty() && holds_anything(dir)? {
+        return Err(StoreError::TargetNotEmpty {
+            path: dir.to_owned(),
+        });
+    }
+    let marker = dir.join(layout::COMMIT_FILE);
+    match std::fs::remove_file(&marker) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(StoreError::local("remove", &marker, &e)),
+    }
     if !resumed.records.is_empty() {
         tracing::info!(
             checkpoint = %id,
@@ -57,10 +76,15 @@ pub async fn restore_checkpoint(
             path: layout::commit_object(id),
             source,
         })?;
-        let target = dir.join(layout::COMMIT_FILE);
-        tokio::fs::write(&target, document)
+        let (dir, tasks) = (dir.to_owned(), manifest.tasks.len());
+        tokio::task::spawn_blocking(move || seal_restore(&dir, tasks, &document))
             .await
-            .map_err(|e| StoreError::local("write", &target, &e))?;
+            .map_err(|e| StoreError::Local {
+                operation: "finish restore",
+                path: PathBuf::new(),
+                message: e.to_string(),
+                kind: std::io::ErrorKind::Other,
+            })??;
         Ok(total)
     }
     .await;
@@ -77,4 +101,44 @@ pub async fn restore_checkpoint(
             Err(error)
         }
     }
+}
+
+/// Whether `dir` exists and holds any entry.
+fn holds_anything(dir: &Path) -> Result<bool, StoreError> {
+    match std::fs::read_dir(dir) {
+        Ok(mut entries) => Ok(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(StoreError::local("list", dir, &e)),
+    }
+}
+
+/// Syncs every restored file and directory under `dir`, then writes the marker
+/// `document` atomically: a synced temporary file renamed into place, the directory
+/// synced after it.
+fn seal_restore(dir: &Path, tasks: usize, document: &[u8]) -> Result<(), StoreError> {
+    fn sync_tree(path: &Path) -> Result<(), StoreError> {
+        let meta = std::fs::metadata(path).map_err(|e| StoreError::local("stat", path, &e))?;
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(path).map_err(|e| StoreError::local("list", path, &e))? {
+                let entry = entry.map_err(|e| StoreError::local("list", path, &e))?;
+                sync_tree(&entry.path())?;
+            }
+        }
+        std::fs::File::open(path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| StoreError::local("sync", path, &e))
+    }
+    tracing::debug!(dir = %dir.display(), tasks, "syncing the restored files");
+    sync_tree(dir)?;
+    let marker = dir.join(layout::COMMIT_FILE);
+    let partial = dir.join(format!("{}.partial", layout::COMMIT_FILE));
+    let written = std::fs::File::create(&partial).and_then(|mut file| {
+        std::io::Write::write_all(&mut file, document)?;
+        file.sync_all()
+    });
+    written.map_err(|e| StoreError::local("write", &partial, &e))?;
+    std::fs::rename(&partial, &marker).map_err(|e| StoreError::local("rename", &partial, &e))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::local("sync", dir, &e))
 }

@@ -109,10 +109,10 @@ impl StoreUri {
                         }
                     }
                 }
-                if let Some(value) = &endpoint {
-                    if !(value.starts_with("http://") || value.starts_with("https://")) {
-                        return Err(invalid("endpoint must start with http:// or https://"));
-                    }
+                if let Some(value) = &endpoint
+                    && !(value.starts_with("http://") || value.starts_with("https://"))
+                {
+                    return Err(invalid("endpoint must start with http:// or https://"));
                 }
                 Ok(Self::S3 {
                     bucket: bucket.to_owned(),
@@ -159,6 +159,16 @@ pub struct S3Credentials {
     pub secret_access_key: String,
     /// A session token for temporary credentials.
     pub session_token: Option<String>,
+}
+
+impl Drop for S3Credentials {
+    fn drop(&mut self) {
+        // The secrets are wiped from memory; the access key id is not secret.
+        zeroize::Zeroize::zeroize(&mut self.secret_access_key);
+        if let Some(token) = &mut self.session_token {
+            zeroize::Zeroize::zeroize(token);
+        }
+    }
 }
 
 impl std::fmt::Debug for S3Credentials {
@@ -270,13 +280,13 @@ impl StoreOptions {
                 reason: "S3 parts are at least 5 MiB".to_owned(),
             });
         }
-        if let Some(faults) = &self.faults {
-            if !(0.0..=1.0).contains(&faults.error_ratio) {
-                return Err(StoreError::InvalidOption {
-                    option: "faults.error_ratio",
-                    reason: "must be within 0.0..=1.0".to_owned(),
-                });
-            }
+        if let Some(faults) = &self.faults
+            && !(0.0..=1.0).contains(&faults.error_ratio)
+        {
+            return Err(StoreError::InvalidOption {
+                option: "faults.error_ratio",
+                reason: "must be within 0.0..=1.0".to_owned(),
+            });
         }
         Ok(())
     }

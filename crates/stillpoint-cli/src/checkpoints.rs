@@ -50,8 +50,11 @@ enum Action {
     Restore {
         /// The checkpoint id.
         id: u64,
-        /// The target directory.
+        /// The target directory: empty, or an interrupted restore of this checkpoint.
         dir: PathBuf,
+        /// Restore into a directory that holds other files (they may be overwritten).
+        #[arg(long)]
+        force: bool,
     },
     /// Applies retention: deletes expired checkpoints and unreferenced files.
     Gc {
@@ -115,7 +118,9 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
             Action::List => list(&target).await,
             Action::Show { id } => show(&target, CheckpointId(id)).await,
             Action::Verify { id } => verify(&target, id.map(CheckpointId)).await,
-            Action::Restore { id, dir } => restore(&target, CheckpointId(id), dir).await,
+            Action::Restore { id, dir, force } => {
+                restore(&target, CheckpointId(id), dir, force).await
+            }
             Action::Gc { dry_run, keep_last } => collect(&target, dry_run, keep_last).await,
             Action::Stats { plot } => stats(&target, plot).await,
         }
@@ -300,7 +305,7 @@ async fn verify(target: &Target, id: Option<CheckpointId>) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn restore(target: &Target, id: CheckpointId, dir: PathBuf) -> Result<ExitCode> {
+async fn restore(target: &Target, id: CheckpointId, dir: PathBuf, force: bool) -> Result<ExitCode> {
     let reporter = Reporter::new();
     let report = stillpoint_backup::restore_checkpoint(
         &target.store,
@@ -315,6 +320,7 @@ async fn restore(target: &Target, id: CheckpointId, dir: PathBuf) -> Result<Exit
             ..JournalConfig::default()
         },
         Arc::new(SystemClock),
+        force,
     )
     .await?;
     println!(

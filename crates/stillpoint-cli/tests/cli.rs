@@ -131,6 +131,30 @@ fn run_then_inspect_the_store() {
         );
     }
     assert!(target.join("_checkpoint.json").is_file());
+    // A non-empty target is refused, one line naming --force, and left as it was;
+    // with --force the restore is redone (every file reused) and marked again.
+    let refusal = one_line_error(
+        stillpoint()
+            .args(["checkpoints", "restore", &newest.to_string()])
+            .arg(&target)
+            .arg("--job")
+            .arg(&job),
+    );
+    assert!(
+        refusal.contains("not empty") && refusal.contains("--force"),
+        "{refusal}"
+    );
+    assert!(target.join("_checkpoint.json").is_file());
+    let forced = stdout(
+        stillpoint()
+            .args(["checkpoints", "restore", &newest.to_string()])
+            .arg(&target)
+            .arg("--force")
+            .arg("--job")
+            .arg(&job),
+    );
+    assert!(forced.contains("restored checkpoint"), "{forced}");
+    assert!(target.join("_checkpoint.json").is_file());
 
     // A real collection keeping only the newest: the others are gone, it verifies.
     let gc = stdout(
@@ -283,8 +307,29 @@ fn a_held_lease_is_refused_naming_its_holder_and_ctrl_c_stops_cleanly() {
         seen.push(lines.next().expect("the first run ended early").unwrap());
     }
 
-    let error = one_line_error(stillpoint().arg("run").arg(&job));
+    // The same job file: its work directory is held by the first run.
     let pid = first.id().to_string();
+    let error = one_line_error(stillpoint().arg("run").arg(&job));
+    assert!(
+        error.contains("work directory") && error.contains(&format!("(pid {pid})")),
+        "{error}"
+    );
+    // Another work directory on the same store: the store's lease is held.
+    let data = dir.path().join("data");
+    let elsewhere = dir.path().join("elsewhere.toml");
+    let text = std::fs::read_to_string(&job).unwrap().replace(
+        &format!("work_dir = \"{}\"", data.display()),
+        &format!("work_dir = \"{}\"", dir.path().join("elsewhere").display()),
+    );
+    std::fs::write(
+        &elsewhere,
+        format!(
+            "{text}[store]\nuri = \"file://{}\"\n",
+            data.join("store").display()
+        ),
+    )
+    .unwrap();
+    let error = one_line_error(stillpoint().arg("run").arg(&elsewhere));
     assert!(
         error.contains("leased to")
             && error.contains(&format!("pid {pid}"))

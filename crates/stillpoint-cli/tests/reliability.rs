@@ -410,10 +410,12 @@ impl Drop for Background {
     }
 }
 
-/// Two coordinators on one store: the owner is paused (SIGSTOP) until its lease
-/// expires, a second one takes the lease over and checkpoints, then the first is
-/// resumed (SIGCONT). The fencing token is checked at the commit: the old owner
-/// commits nothing after the takeover and exits naming the lease it lost.
+/// Two coordinators on one store: the owner is paused (SIGSTOP, checkpoints every
+/// 50 ms, so mostly mid-checkpoint) until its lease expires, a second one takes the
+/// lease over, checkpoints and stops; then the first is resumed (SIGCONT). Its
+/// fence closed when its lease lapsed: it writes nothing more — not a shared file,
+/// not a task manifest, not a commit — and exits naming the lease it lost; every
+/// committed checkpoint still verifies.
 #[test]
 fn a_paused_owner_is_fenced_after_its_lease_is_taken_over() {
     let dir = tempfile::tempdir().unwrap();
@@ -469,6 +471,13 @@ fn a_paused_owner_is_fenced_after_its_lease_is_taken_over() {
         checkpoint_lines(&l.join("\n")).len() >= 2
     });
 
+    // The new owner stops (a final checkpoint) before the old one resumes, so that
+    // anything that lands afterwards can only be the old owner's.
+    signal(b.child.id(), "INT");
+    assert!(b.wait().success(), "{:?}", b.lines());
+    let root = dir.path().join("store");
+    let before = store_objects(&root);
+
     signal(a.child.id(), "CONT");
     let status = a.wait();
     assert!(!status.success(), "the fenced owner must not carry on");
@@ -482,14 +491,31 @@ fn a_paused_owner_is_fenced_after_its_lease_is_taken_over() {
         after.iter().all(|id| *id <= resumed_from),
         "the old owner committed {after:?} after the new one resumed from {resumed_from}"
     );
-    b.wait_for("a third checkpoint of the new owner", |l| {
-        checkpoint_lines(&l.join("\n")).len() >= 3
-    });
-    signal(b.child.id(), "INT");
-    assert!(b.wait().success(), "{:?}", b.lines());
+    let landed: Vec<_> = store_objects(&root)
+        .into_iter()
+        .filter(|(path, stamp)| before.get(path) != Some(stamp))
+        .map(|(path, _)| path)
+        .collect();
+    assert!(
+        landed.is_empty(),
+        "the old owner wrote after the takeover: {landed:?}"
+    );
     let (ok, report) = verify(&store);
     assert!(ok, "{report}");
     eprintln!("fencing: {last}");
+}
+
+/// Every object of a `file://` store (staging files excepted) with its size and
+/// modification time.
+fn store_objects(root: &Path) -> std::collections::BTreeMap<String, (u64, std::time::SystemTime)> {
+    files(root)
+        .into_iter()
+        .filter(|f| !f.starts_with(".tmp"))
+        .map(|f| {
+            let meta = std::fs::metadata(root.join(&f)).unwrap();
+            (f, (meta.len(), meta.modified().unwrap()))
+        })
+        .collect()
 }
 
 /// Every vocabulary word the generated sources can produce.

@@ -258,13 +258,12 @@ impl Garbage {
             };
             let mut values = frozen.entries.values;
             values.clear();
-            if let Ok(mut slot) = spare.lock() {
-                if slot
+            if let Ok(mut slot) = spare.lock()
+                && slot
                     .as_ref()
                     .is_none_or(|s| s.capacity() < values.capacity())
-                {
-                    *slot = Some(values);
-                }
+            {
+                *slot = Some(values);
             }
         }
     }
@@ -654,10 +653,10 @@ impl KeyedState for CachedState {
     ) -> Result<(), StateError> {
         let (lower, upper) = group_bounds(groups);
         for (stored, value) in self.merged(state, Span::Groups(&lower, &upper))? {
-            if let (Some((_, key, field)), Some(value)) = (decode_key(&stored), value) {
-                if !visit(key, field, &value) {
-                    break;
-                }
+            if let (Some((_, key, field)), Some(value)) = (decode_key(&stored), value)
+                && !visit(key, field, &value)
+            {
+                break;
             }
         }
         Ok(())

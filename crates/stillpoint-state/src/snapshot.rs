@@ -117,10 +117,10 @@ pub(crate) fn build_manifest(
             Some((cached_size, digest)) if cached_size == *size => digest,
             _ => {
                 let digest = hash_file(&dir.join(name))?;
-                if is_sst(name) {
-                    if let Ok(mut d) = digests.lock() {
-                        d.by_name.insert(name.clone(), (*size, digest));
-                    }
+                if is_sst(name)
+                    && let Ok(mut d) = digests.lock()
+                {
+                    d.by_name.insert(name.clone(), (*size, digest));
                 }
                 digest
             }

@@ -44,7 +44,7 @@ fn nibble(text: &str, index: usize) -> Result<u8, HexError> {
 }
 
 pub(crate) fn decode(text: &str) -> Result<Vec<u8>, HexError> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return Err(HexError::OddLength(text.len()));
     }
     (0..text.len())

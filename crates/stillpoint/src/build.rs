@@ -358,6 +358,52 @@ fn clear_extra_files(dir: &Path, snapshot: &SnapshotManifest) -> Result<(), Stor
     Ok(())
 }
 
+/// A process's exclusive hold on a work directory, released when dropped (or when
+/// the process dies: the kernel drops the lock with the file).
+#[derive(Debug)]
+pub(crate) struct WorkDirLock {
+    _file: std::fs::File,
+}
+
+/// Locks `work_dir` (creating it) for this process: a second process — or a second
+/// run in this one — asking for the same directory is refused while the first holds
+/// it, instead of wiping its live databases.
+pub(crate) fn lock_work_dir(work_dir: &Path) -> Result<WorkDirLock, EngineError> {
+    use std::io::{Read, Seek, Write};
+    std::fs::create_dir_all(work_dir).map_err(|e| EngineError::io("create", work_dir, &e))?;
+    let path = work_dir.join(".lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| EngineError::io("open", &path, &e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut recorded = String::new();
+            // Best effort: the pid is only there to name the holder.
+            let _read = file.read_to_string(&mut recorded);
+            let holder = recorded
+                .trim()
+                .parse::<u32>()
+                .map_or_else(|_| String::new(), |pid| format!(" (pid {pid})"));
+            return Err(EngineError::WorkDirInUse {
+                path: work_dir.to_owned(),
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(EngineError::io("lock", &path, &e)),
+    }
+    let recorded = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| write!(file, "{}", std::process::id()));
+    recorded.map_err(|e| EngineError::io("write", &path, &e))?;
+    Ok(WorkDirLock { _file: file })
+}
+
 /// Live databases and snapshots start empty each run; restore downloads are kept, so
 /// files that still verify are not fetched again.
 pub(crate) fn clear_live_dirs(work_dir: &Path) -> Result<(), EngineError> {
@@ -535,13 +581,13 @@ impl Builder<'_> {
             .name(format!("task-{}", task.get()))
             .spawn(move || {
                 let outcome = driver.run();
-                if let Err(error) = &outcome {
-                    if !matches!(error, EngineError::Crashed(_) | EngineError::Stopped(_)) {
-                        let _closed = failures.send(CoordinatorInput::TaskFailed {
-                            task,
-                            error: error.to_string(),
-                        });
-                    }
+                if let Err(error) = &outcome
+                    && !matches!(error, EngineError::Crashed(_) | EngineError::Stopped(_))
+                {
+                    let _closed = failures.send(CoordinatorInput::TaskFailed {
+                        task,
+                        error: error.to_string(),
+                    });
                 }
                 outcome
             })
@@ -659,5 +705,28 @@ mod tests {
             new.restores_from(&old, groups, TaskId(2)).unwrap(),
             vec![TaskId(2)]
         );
+    }
+
+    #[test]
+    fn a_work_directory_is_held_by_one_process_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("node-1");
+        let held = lock_work_dir(&work).unwrap();
+        // A second holder — another process, or another run in this one — is refused
+        // naming the first one's pid, and the directory is left as it was.
+        std::fs::create_dir_all(work.join("db")).unwrap();
+        let refused = lock_work_dir(&work).unwrap_err();
+        let message = refused.to_string();
+        assert!(
+            matches!(&refused, EngineError::WorkDirInUse { path, .. } if *path == work),
+            "{message}"
+        );
+        assert!(
+            message.contains(&format!("pid {}", std::process::id())),
+            "{message}"
+        );
+        assert!(work.join("db").is_dir());
+        drop(held);
+        let _again = lock_work_dir(&work).unwrap();
     }
 }

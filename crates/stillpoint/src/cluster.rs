@@ -27,7 +27,7 @@ use stillpoint_wire::{CheckpointId, FrameDecoder, Message, NodeId, SourceOffset,
 
 use crate::build::{
     Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
-    is_corrupt_checkpoint, join_all, snapshots_needed,
+    is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::job::{
@@ -193,6 +193,10 @@ pub fn run_coordinator(
         lease_config(config),
         Arc::new(SystemClock),
     ))?;
+    // Everything this run writes goes through the lease's fence: once the lease is
+    // lost, or close to lapsing without a refresh (a paused process), nothing more
+    // of this run lands in the store — not even an export thread's upload.
+    let store = store.fenced(lease.fence());
     // A coordinator restarted after it told the nodes to exit: the job is done.
     if let Some(id) = already_finished(&runtime, &store)? {
         let report = JobReport {
@@ -787,10 +791,9 @@ fn wait_for_goodbyes(
         if let Ok(CoordinatorInput::NodeLost {
             node, connection, ..
         }) = inputs.recv_timeout(Duration::from_millis(100))
+            && nodes.get(&node).is_some_and(|l| l.connection == connection)
         {
-            if nodes.get(&node).is_some_and(|l| l.connection == connection) {
-                nodes.remove(&node);
-            }
+            nodes.remove(&node);
         }
     }
 }
@@ -854,6 +857,7 @@ pub fn run_node(
     let mut local = config.clone();
     local.store = Some(config.store_uri());
     local.work_dir = config.work_dir.join(format!("node-{}", node.get()));
+    let _work_dir = lock_work_dir(&local.work_dir)?;
     let runtime = runtime()?;
     let store = Store::open(&local.store_uri(), local.store_options.clone())?;
     let topology = Topology::of(&flow);
@@ -1053,10 +1057,10 @@ impl NodeState<'_> {
                         current = self.start(generation, checkpoint.map(CheckpointId), writer)?;
                     }
                     EngineMessage::Reset { generation } => {
-                        if current.as_ref().is_some_and(|c| c.generation == generation) {
-                            if let Some(old) = current.take() {
-                                old.end(false);
-                            }
+                        if current.as_ref().is_some_and(|c| c.generation == generation)
+                            && let Some(old) = current.take()
+                        {
+                            old.end(false);
                         }
                     }
                     EngineMessage::Finish { generation } => {

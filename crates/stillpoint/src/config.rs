@@ -133,10 +133,44 @@ impl Job {
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
         let file: JobFile = toml::from_str(text).map_err(|e| ConfigError::Parse {
             source_name: source_name.to_owned(),
-            message: e.to_string().trim_end().replace('\n', " "),
+            message: parse_message(text, &e),
         })?;
         file.into_job(source_name)
     }
+}
+
+/// Fields whose values are secrets: never repeated in an error.
+const SECRET_FIELDS: [&str; 3] = ["encryption_key", "secret_access_key", "session_token"];
+
+/// A parse error as line, column and the parser's message — never toml's snippet of
+/// the offending line, which would echo a mistyped secret to the terminal; and when
+/// the offending line sets a secret, not even the message (serde's can quote the
+/// value).
+fn parse_message(text: &str, error: &toml::de::Error) -> String {
+    let message = error.message().trim_end().replace('\n', " ");
+    let Some(at) = error.span().map(|span| span.start.min(text.len())) else {
+        return message;
+    };
+    let before = text.get(..at).unwrap_or_default();
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = before.get(line_start..).map_or(0, |l| l.chars().count()) + 1;
+    let line_text = text
+        .get(line_start..)
+        .and_then(|rest| rest.lines().next())
+        .unwrap_or_default();
+    let key = line_text
+        .split('=')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .trim_matches('"');
+    if SECRET_FIELDS.contains(&key) {
+        return format!(
+            "line {line}, column {column}: `{key}` does not parse (its value is a secret and is not shown)"
+        );
+    }
+    format!("line {line}, column {column}: {message}")
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -533,17 +567,18 @@ impl JobFile {
                 "is for the nodes of a cluster job; this job has no [cluster] section",
             ));
         }
-        if let Some(c) = &cluster {
-            if !metrics.nodes.is_empty() && metrics.nodes.len() != c.nodes.len() {
-                return Err(invalid(
-                    "metrics.nodes",
-                    &format!(
-                        "lists {} addresses for {} nodes (one per node, in cluster.nodes' order)",
-                        metrics.nodes.len(),
-                        c.nodes.len()
-                    ),
-                ));
-            }
+        if let Some(c) = &cluster
+            && !metrics.nodes.is_empty()
+            && metrics.nodes.len() != c.nodes.len()
+        {
+            return Err(invalid(
+                "metrics.nodes",
+                &format!(
+                    "lists {} addresses for {} nodes (one per node, in cluster.nodes' order)",
+                    metrics.nodes.len(),
+                    c.nodes.len()
+                ),
+            ));
         }
         config.cluster = cluster.map(|c| crate::ClusterConfig {
             coordinator: c.coordinator,
@@ -654,6 +689,30 @@ input = { kind = "files", paths = ["in.txt"] }
         let cluster = job.config.cluster.unwrap();
         assert_eq!(cluster.nodes.len(), 2);
         assert_eq!(cluster.connect_timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_parse_error_never_echoes_a_secret() {
+        let secret = "s3cr3t-Value-0123456789";
+        for text in [
+            format!("[store]\nsecret_access_key = \"{secret}\nregion = \"x\"\n"),
+            format!("[store]\nencryption_key = {secret}\n"),
+            format!("[store]\nencryption_key = [\"{secret}\"]\n"),
+            format!("[store]\nsecret_access_key = '{secret}\n"),
+            format!("[store]\nsecret_access_key = \"{secret}\"\nfrobnicate = 1\n"),
+        ] {
+            let error = Job::from_toml(&text, "job.toml").unwrap_err().to_string();
+            assert!(!error.contains(secret), "{error}");
+            assert!(!error.contains("s3cr3t"), "{error}");
+            assert!(error.contains("line "), "{error}");
+        }
+        let error = Job::from_toml(&format!("[store]\nencryption_key = {secret}\n"), "job.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("line 2") && error.contains("not shown"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -213,14 +213,14 @@ impl Dataflow {
                     ));
                 }
             }
-            if let Some(previous) = index.checked_sub(1).and_then(|i| self.stages.get(i)) {
-                if stage.input == Partitioning::Forward && stage.parallelism != previous.parallelism
-                {
-                    return invalid(format!(
-                        "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
-                        stage.parallelism, previous.name, previous.parallelism
-                    ));
-                }
+            if let Some(previous) = index.checked_sub(1).and_then(|i| self.stages.get(i))
+                && stage.input == Partitioning::Forward
+                && stage.parallelism != previous.parallelism
+            {
+                return invalid(format!(
+                    "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
+                    stage.parallelism, previous.name, previous.parallelism
+                ));
             }
         }
         if self.stages.len() < 2 {

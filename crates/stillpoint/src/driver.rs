@@ -100,19 +100,19 @@ pub(crate) fn export_loop(
 ) {
     for mut job in jobs {
         let checkpoint = job.checkpoint;
-        if let Some(persist) = job.persist.take() {
-            if let Err(error) = persist() {
-                tracing::error!(%checkpoint, %error, "the sink's pre-commit could not be made durable");
-                // The state export still writes its frozen batch when dropped.
-                drop(job);
-                if results
-                    .send(ExportOutcome::PersistFailed(checkpoint, error.to_string()))
-                    .is_err()
-                {
-                    return;
-                }
-                continue;
+        if let Some(persist) = job.persist.take()
+            && let Err(error) = persist()
+        {
+            tracing::error!(%checkpoint, %error, "the sink's pre-commit could not be made durable");
+            // The state export still writes its frozen batch when dropped.
+            drop(job);
+            if results
+                .send(ExportOutcome::PersistFailed(checkpoint, error.to_string()))
+                .is_err()
+            {
+                return;
             }
+            continue;
         }
         let outcome = (|| -> Result<SnapshotReport, EngineError> {
             let exported = job.job.run()?;

@@ -36,6 +36,17 @@ pub enum EngineError {
     /// The job description cannot run.
     #[error("invalid job: {0}")]
     Invalid(String),
+    /// Another process works in this directory (two nodes with one `--node`, or two
+    /// runs of one job file): sharing it would wipe each other's state.
+    #[error(
+        "work directory {path} is in use by another process{holder}; stop it, or give this one its own work_dir (or --node)"
+    )]
+    WorkDirInUse {
+        /// The directory.
+        path: PathBuf,
+        /// `" (pid N)"` as the holder recorded it, or empty.
+        holder: String,
+    },
     /// An injected crash stopped the job (tests and `xtask torture`).
     #[error("the job was crashed on purpose ({0})")]
     Crashed(String),

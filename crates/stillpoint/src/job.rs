@@ -21,7 +21,7 @@ use stillpoint_wire::{CheckpointId, CheckpointManifest, Message, NodeId, StreamI
 
 use crate::build::{
     Builder, ControlMap, Restore, Topology, Wiring, clear_live_dirs, fetch_restore,
-    is_corrupt_checkpoint, join_all, snapshots_needed,
+    is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::metrics::Metrics;
@@ -388,6 +388,7 @@ pub fn run(
 ) -> Result<JobReport, EngineError> {
     let flow = job.to_dataflow()?;
     flow.check()?;
+    let _work_dir = lock_work_dir(&config.work_dir)?;
     let runtime = runtime()?;
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
     let lease = runtime.block_on(Lease::acquire_job(
@@ -395,6 +396,10 @@ pub fn run(
         lease_config(config),
         Arc::new(SystemClock),
     ))?;
+    // Everything this run writes goes through the lease's fence: once the lease is
+    // lost, or close to lapsing without a refresh (a paused process), nothing more
+    // of this run lands in the store — not even an export thread's upload.
+    let store = store.fenced(lease.fence());
 
     let topology = Topology::of(&flow);
     let groups = KeyGroups::new(config.max_parallelism)?;
@@ -449,10 +454,10 @@ pub fn run(
     let (coordinator_tx, coordinator_rx) = crossbeam_channel::unbounded();
 
     clear_live_dirs(&config.work_dir)?;
-    if let Some(restore) = &restore {
-        if !restore.same_shape(&topology) {
-            flow.settle_sinks(restore.manifest.checkpoint)?;
-        }
+    if let Some(restore) = &restore
+        && !restore.same_shape(&topology)
+    {
+        flow.settle_sinks(restore.manifest.checkpoint)?;
     }
     let builder = Builder {
         config,

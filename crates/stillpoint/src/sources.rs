@@ -255,11 +255,11 @@ impl Source for LogDir {
             let length = std::fs::metadata(&path)
                 .map_err(|e| EngineError::io("stat", &path, &e))?
                 .len();
-            if length == self.position {
-                if let Some(next) = self.next_segment()? {
-                    self.segment = Some(next);
-                    self.position = 0;
-                }
+            if length == self.position
+                && let Some(next) = self.next_segment()?
+            {
+                self.segment = Some(next);
+                self.position = 0;
             }
         }
         Ok(SourcePoll::Idle)

@@ -32,6 +32,9 @@ macro_rules! contract_cases {
             a_held_lease_is_refused_with_its_holder_and_expiry_and_taken_over_after_it,
             racing_writers_never_both_get_the_lease,
             a_conditional_create_has_one_winner_among_concurrent_writers,
+            a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost,
+            a_corrupt_lease_file_is_ignored_but_a_live_claim_still_holds,
+            damage_only_in_the_store_restores_from_intact_local_copies,
             gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the_unreferenced,
             checkpoints_complete_on_a_store_failing_a_fifth_of_its_operations,
             records_flush_on_their_interval_and_resume_across_runs_with_elapsed_time,
@@ -762,6 +765,187 @@ pub async fn racing_writers_never_both_get_the_lease(env: &Env) {
     }
 }
 
+/// Everything written on a lease holder's behalf goes through its fence: uploads,
+/// task manifests, commits and deletes stop at once when the lease is found lost,
+/// and when its write deadline (a quarter TTL before expiry) passes without a
+/// refresh — a paused owner writes nothing when it resumes.
+pub async fn a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost(env: &Env) {
+    let dir = env;
+    let store = env.store("store", StoreOptions::default());
+    let clock = Arc::new(ManualClock::new(1_000));
+    let lease = job_lease(&store, "owner", &clock).await;
+    let fenced = store.fenced(lease.fence());
+    let upload = |id: u64| {
+        let local = dir.path().join(format!("local-{id}"));
+        let manifest = snapshot(
+            &local,
+            TaskId(1),
+            CheckpointId(id),
+            &[("own.sst", bytes(id, 2_000))],
+            None,
+        );
+        let fenced = fenced.clone();
+        async move {
+            fenced
+                .upload_snapshot(&local, &manifest, NodeId(1), &())
+                .await
+        }
+    };
+    let first = upload(1).await.unwrap();
+    fenced
+        .commit(
+            &checkpoint_manifest(CheckpointId(1), CheckpointKind::Checkpoint, &[first]),
+            &lease,
+        )
+        .await
+        .unwrap();
+
+    // Paused for 46 s of a 60 s TTL: past the write deadline, not yet expired.
+    clock.advance(Duration::from_secs(46));
+    let lapsed = upload(2).await.unwrap_err();
+    assert!(matches!(lapsed, StoreError::LeaseLost { .. }), "{lapsed}");
+    assert!(lapsed.to_string().contains("deadline"), "{lapsed}");
+    assert!(
+        raw_list(&store, "checkpoints/00000000000000000002/")
+            .await
+            .is_empty()
+    );
+    assert!(matches!(
+        fenced.delete_checkpoint(CheckpointId(1)).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    // A refresh confirms the lease: writes resume.
+    lease.refresh().await.unwrap();
+    let second = upload(2).await.unwrap();
+    fenced
+        .commit(
+            &checkpoint_manifest(CheckpointId(2), CheckpointKind::Checkpoint, &[second]),
+            &lease,
+        )
+        .await
+        .unwrap();
+
+    // Expired and taken over: the first check closes the fence for good.
+    clock.advance(Duration::from_secs(61));
+    let successor = job_lease(&store, "successor", &clock).await;
+    assert!(matches!(
+        lease.check().await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert!(matches!(upload(3).await, Err(StoreError::LeaseLost { .. })));
+    assert!(
+        raw_list(&store, "checkpoints/00000000000000000003/")
+            .await
+            .is_empty()
+    );
+    assert!(lease.refresh().await.is_err());
+    assert!(matches!(upload(3).await, Err(StoreError::LeaseLost { .. })));
+    // Both committed checkpoints verify; the successor writes through its own fence.
+    for id in [1, 2] {
+        let report = store
+            .verify(CheckpointId(id), VerifyDepth::Content, &())
+            .await
+            .unwrap();
+        assert!(report.is_intact(), "{id}: {:?}", report.problems);
+    }
+    successor.fence().check().unwrap();
+}
+
+/// A lease file that does not parse protects nobody and is ignored with a warning;
+/// the claims still order owner ids, and a live claim still holds the lease.
+pub async fn a_corrupt_lease_file_is_ignored_but_a_live_claim_still_holds(env: &Env) {
+    let store = env.store("store", StoreOptions::default());
+    let clock = Arc::new(ManualClock::new(1_000));
+    let first = job_lease(&store, "first", &clock).await;
+    let op = store.raw_operator();
+    op.write("lease/current.json", b"{ not a lease".to_vec())
+        .await
+        .unwrap();
+    // Held: the first owner's claim is live although current.json is garbage.
+    let refused = Lease::acquire_job(&store, quick_lease("second"), clock.clone()).await;
+    assert!(
+        matches!(&refused, Err(StoreError::LeaseHeld { holder, .. }) if holder == "first"),
+        "{refused:?}"
+    );
+    // Expired: taken, with a higher owner id, and the first owner is fenced.
+    clock.advance(Duration::from_secs(61));
+    op.write("lease/current.json", b"\x00\x01garbage".to_vec())
+        .await
+        .unwrap();
+    let second = job_lease(&store, "second", &clock).await;
+    assert!(second.owner() > first.owner());
+    assert!(matches!(
+        first.check().await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    second.check().await.unwrap();
+}
+
+/// A checkpoint damaged only in the store (a file flipped, same size) while the
+/// local copy is intact: the download hashes the local file, keeps it, and the state
+/// is right; `verify` still reports the store's damage.
+pub async fn damage_only_in_the_store_restores_from_intact_local_copies(env: &Env) {
+    let dir = env;
+    let store = env.store("store", StoreOptions::default());
+    let clock = Arc::new(ManualClock::new(1_000));
+    let lease = job_lease(&store, "writer", &clock).await;
+    let files = vec![
+        ("000001.sst", sst(1, 20_000)),
+        ("MANIFEST-000002", sst(2, 900)),
+    ];
+    let (manifest, _) = checkpoint_with(
+        &store,
+        &lease,
+        dir.path(),
+        CheckpointId(1),
+        CheckpointKind::Checkpoint,
+        &files,
+        None,
+    )
+    .await;
+    let local = dir.path().join("restored");
+    store
+        .download_snapshot(&manifest, &local, &())
+        .await
+        .unwrap();
+    // Replace (not modify: a `file://` store may share the SST's inode with the
+    // snapshot it came from) the stored SST with same-size garbage.
+    let object = raw_list(&store, "shared/")
+        .await
+        .into_iter()
+        .find(|path| {
+            path.ends_with(
+                &manifest
+                    .files
+                    .iter()
+                    .find(|f| f.path.as_str() == "000001.sst")
+                    .unwrap()
+                    .sha256
+                    .to_hex(),
+            )
+        })
+        .unwrap();
+    store
+        .raw_operator()
+        .write(&object, sst(99, 20_000))
+        .await
+        .unwrap();
+    let report = store
+        .download_snapshot(&manifest, &local, &())
+        .await
+        .unwrap();
+    assert_eq!((report.files_downloaded, report.files_reused), (0, 2));
+    for (name, content) in &files {
+        assert_eq!(&std::fs::read(local.join(name)).unwrap(), content, "{name}");
+    }
+    let verified = store
+        .verify(CheckpointId(1), VerifyDepth::Content, &())
+        .await
+        .unwrap();
+    assert_eq!(verified.problems.len(), 1, "{:?}", verified.problems);
+    assert_eq!(verified.problems[0].object, object);
+}
+
 /// A conditional create — what a commit and a lease claim are made of — has exactly
 /// one winner among concurrent writers, and the object holds the winner's bytes.
 pub async fn a_conditional_create_has_one_winner_among_concurrent_writers(env: &Env) {
@@ -1409,11 +1593,13 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
         &(),
         config(60_000),
         Arc::new(SystemClock),
+        false,
     )
     .await
     .unwrap();
     assert_eq!(report.files_reused, 2);
     assert_eq!(report.files_downloaded, 4);
+    assert!(!target.join("_checkpoint.json.partial").exists());
     for (name, content) in &files {
         assert_eq!(
             &std::fs::read(task_dir.join(name)).unwrap(),
@@ -1433,11 +1619,50 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
             &target,
             &(),
             config(60_000),
-            Arc::new(SystemClock)
+            Arc::new(SystemClock),
+            false,
         )
         .await,
         Err(StoreError::NoSuchCheckpoint(CheckpointId(9)))
     ));
+
+    // A directory holding anything but an interrupted restore of the same checkpoint
+    // is refused untouched, unless overwriting is asked for.
+    let other = dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), b"mine").unwrap();
+    let refused = restore_checkpoint(
+        &store,
+        CheckpointId(3),
+        &other,
+        &(),
+        config(60_000),
+        Arc::new(SystemClock),
+        false,
+    )
+    .await;
+    assert!(
+        matches!(&refused, Err(StoreError::TargetNotEmpty { path }) if *path == other),
+        "{refused:?}"
+    );
+    assert_eq!(std::fs::read_dir(&other).unwrap().count(), 1);
+    // The complete restore above, asked again: its marker is not trusted, the
+    // restore is redone (every file reused) and marked again.
+    for (target, overwrite) in [(&other, true), (&target, true)] {
+        let report = restore_checkpoint(
+            &store,
+            CheckpointId(3),
+            target,
+            &(),
+            config(60_000),
+            Arc::new(SystemClock),
+            overwrite,
+        )
+        .await
+        .unwrap();
+        assert_eq!(report.files_downloaded + report.files_reused, files.len());
+        assert!(target.join("_checkpoint.json").is_file());
+    }
 }
 
 pub async fn an_unreadable_store_never_makes_a_checkpoint_look_corrupt(env: &Env) {
