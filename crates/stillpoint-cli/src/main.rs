@@ -75,6 +75,11 @@ enum Command {
         /// deleted, and a later run may restore it with other parallelisms.
         #[arg(long)]
         savepoint_on_stop: bool,
+        /// Restore even when the sinks already published output newer than the
+        /// restore point (the newer checkpoints are damaged or gone), publishing it
+        /// again; without it such a run is refused.
+        #[arg(long)]
+        allow_duplicates: bool,
     },
     /// Runs the coordinator of a cluster job (`[cluster]` in the job file).
     Coordinator {
@@ -83,6 +88,9 @@ enum Command {
         /// On Ctrl-C, stop with a savepoint instead of a checkpoint.
         #[arg(long)]
         savepoint_on_stop: bool,
+        /// Restore even past output the sinks already published (see `run`).
+        #[arg(long)]
+        allow_duplicates: bool,
     },
     /// Runs one node of a cluster job.
     Node {
@@ -134,11 +142,13 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             job,
             data,
             savepoint_on_stop,
-        } => run(job.as_deref(), data, savepoint_on_stop),
+            allow_duplicates,
+        } => run(job.as_deref(), data, savepoint_on_stop, allow_duplicates),
         Command::Coordinator {
             job,
             savepoint_on_stop,
-        } => coordinator(&job, savepoint_on_stop),
+            allow_duplicates,
+        } => coordinator(&job, savepoint_on_stop, allow_duplicates),
         Command::Node { job, node } => {
             let loaded = Job::load(&job)?;
             stillpoint::run_node(&loaded.config, &loaded.pipeline, NodeId(node))
@@ -271,8 +281,14 @@ fn print_faults(job: &Job) {
     }
 }
 
-fn run(job: Option<&Path>, data: Option<PathBuf>, savepoint: bool) -> Result<ExitCode> {
-    let job = load(job, data)?;
+fn run(
+    job: Option<&Path>,
+    data: Option<PathBuf>,
+    savepoint: bool,
+    allow_duplicates: bool,
+) -> Result<ExitCode> {
+    let mut job = load(job, data)?;
+    job.config.allow_duplicates |= allow_duplicates;
     if job.config.cluster.is_some() {
         anyhow::bail!(
             "the job has a [cluster] section: start `stillpoint coordinator` and one `stillpoint node` per node instead"
@@ -294,8 +310,9 @@ fn run(job: Option<&Path>, data: Option<PathBuf>, savepoint: bool) -> Result<Exi
     Ok(ExitCode::SUCCESS)
 }
 
-fn coordinator(path: &Path, savepoint: bool) -> Result<ExitCode> {
-    let job = Job::load(path)?;
+fn coordinator(path: &Path, savepoint: bool, allow_duplicates: bool) -> Result<ExitCode> {
+    let mut job = Job::load(path)?;
+    job.config.allow_duplicates |= allow_duplicates;
     let options = announce(&job, savepoint)?;
     let report = stillpoint::run_coordinator(&job.config, &job.pipeline, options)?;
     println!("done: {} checkpoint(s) this run", report.checkpoints.len());

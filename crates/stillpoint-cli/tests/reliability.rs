@@ -222,6 +222,7 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
     let mut cases = 0;
     let mut shared_recovered = [false; 3];
     let mut refused = 0;
+    let mut republished = 0;
     for victim in &victims {
         for how in [Damage::Flip, Damage::Truncate, Damage::Delete] {
             damage(&store_dir.join(victim), how);
@@ -274,6 +275,23 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
                 copy_dir(&pristine.join("store"), &store_dir);
                 continue;
             };
+            // The sinks published the newer checkpoints' output: restoring `from`
+            // would publish it again, so the run refuses, naming the checkpoints and
+            // the records; allowed, it publishes exactly those records again.
+            assert!(!ok, "{how:?} {victim}: {stdout}");
+            let refusal = stderr.lines().last().unwrap_or_default();
+            assert!(
+                refusal.starts_with(&format!(
+                    "stillpoint: error: restoring checkpoint {from} would publish again"
+                )) && refusal.contains("--allow-duplicates"),
+                "{how:?} {victim}: {stderr}"
+            );
+            let named: usize = refusal
+                .split_once(" records)")
+                .and_then(|(before, _)| before.rsplit_once('(')?.1.parse().ok())
+                .unwrap_or_else(|| panic!("{refusal}"));
+            assert!(refusal.contains(&newest.to_string()), "{refusal}");
+            let (ok, stdout, stderr) = run(&["run", "--allow-duplicates"], Some(&job));
             assert!(ok, "{how:?} {victim}: {stdout}\n{stderr}");
             assert!(
                 stdout.contains(&format!("resuming from checkpoint {from} ")),
@@ -288,11 +306,12 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
                     .unwrap_or_else(|| panic!("{how:?} {victim}: {stdout}"));
                 assert!(skipped.contains(victim.as_str()), "{skipped}");
             }
-            // Nothing is lost; the replayed stretch after `from` may be published
-            // twice (a published transaction is never taken back).
+            // Nothing is lost, and what is published twice is exactly what the
+            // refusal named (a published transaction is never taken back).
             let output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
-            let (lost, _) = lost_and_duplicated(&output, &expected(WORDS, VOCABULARY));
-            assert_eq!(lost, 0, "{how:?} {victim}");
+            let (lost, duplicated) = lost_and_duplicated(&output, &expected(WORDS, VOCABULARY));
+            assert_eq!((lost, duplicated), (0, named), "{how:?} {victim}");
+            republished += named;
             copy_dir(&pristine.join("store"), &store_dir);
         }
     }
@@ -325,7 +344,7 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
         "nothing published"
     );
     eprintln!(
-        "corruption sweep: {} files × 3 damages = {cases} cases named by verify; {} recoveries fell back, 0 lost; {refused} refused (no checkpoint verified)",
+        "corruption sweep: {} files × 3 damages = {cases} cases named by verify; {} recoveries fell back past published output: each refused naming the records, then with --allow-duplicates 0 lost and exactly the {republished} named records published again; {refused} refused (no checkpoint verified)",
         victims.len(),
         recoveries - refused
     );

@@ -253,6 +253,15 @@ pub fn run_coordinator(
             Ok(id) => id,
             Err(error) => break Err(error),
         };
+        // Before any node starts: a restore that would publish again what the sinks
+        // already published is refused (unless duplicates are allowed).
+        if let Err(error) = flow.check_republication(
+            restore_id,
+            !report.fell_back_from.is_empty(),
+            config.allow_duplicates,
+        ) {
+            break Err(error);
+        }
         let g = generation.fetch_add(1, Ordering::SeqCst) + 1;
         tracing::info!(generation = g, checkpoint = ?restore_id, "starting a generation");
         for link in nodes.values() {

@@ -12,6 +12,7 @@
 //! lease_ttl = "60s"
 //! batch_records = 256               # records a source reads into one data message
 //! channel_batches = 4               # messages queued per edge: what a barrier waits behind
+//! allow_duplicates = false          # restore even past output the sinks already published
 //!
 //! [store]
 //! uri = "file://./stillpoint-data/store"   # or s3://BUCKET/PREFIX?endpoint=…&region=…, memory://
@@ -220,6 +221,7 @@ struct JobSection {
     lease_ttl: Duration,
     batch_records: usize,
     channel_batches: usize,
+    allow_duplicates: bool,
 }
 
 impl Default for JobSection {
@@ -235,6 +237,7 @@ impl Default for JobSection {
             lease_ttl: defaults.lease_ttl,
             batch_records: defaults.batch_records,
             channel_batches: defaults.channel_batches,
+            allow_duplicates: defaults.allow_duplicates,
         }
     }
 }
@@ -543,6 +546,7 @@ impl JobFile {
         config.tolerable_failures = job.tolerable_failures;
         config.batch_records = job.batch_records;
         config.channel_batches = job.channel_batches;
+        config.allow_duplicates = job.allow_duplicates;
         config.retention = Retention {
             keep_last: retention.keep_last,
             grace: retention.grace,

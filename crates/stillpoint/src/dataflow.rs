@@ -56,6 +56,28 @@ pub trait SinkFactory: Send + Sync {
         let _ = restored;
         Ok(())
     }
+
+    /// What this stage has published for checkpoints newer than `restored` (every
+    /// checkpoint when `None`): output a restart from `restored` would publish again.
+    /// `Ok(None)` — the default — when the sink cannot tell; the engine then refuses
+    /// to fall back past a checkpoint that did not verify (it cannot rule out
+    /// republishing) unless duplicates are allowed.
+    fn published_after(
+        &self,
+        restored: Option<CheckpointId>,
+    ) -> Result<Option<Published>, EngineError> {
+        let _ = restored;
+        Ok(None)
+    }
+}
+
+/// Transactions a sink stage has published, from [`SinkFactory::published_after`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Published {
+    /// Their checkpoints, oldest first (each once, however many tasks published it).
+    pub checkpoints: Vec<CheckpointId>,
+    /// The records they hold.
+    pub records: u64,
 }
 
 impl<F> SinkFactory for F
@@ -171,6 +193,61 @@ impl Dataflow {
             if let StageKind::Sink(factory) = &stage.kind {
                 factory.settle(restored)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a restore of `restored` that would publish again output the sinks have
+    /// already published ([`EngineError::WouldRepublish`]), unless `allow` (then it is
+    /// logged). `fell_back`: newer committed checkpoints were skipped as damaged, so a
+    /// sink that cannot say what it published is presumed to have published them.
+    pub(crate) fn check_republication(
+        &self,
+        restored: Option<CheckpointId>,
+        fell_back: bool,
+        allow: bool,
+    ) -> Result<(), EngineError> {
+        let from = restored.map_or_else(
+            || "from scratch".to_owned(),
+            |id| format!("checkpoint {}", id.get()),
+        );
+        for stage in &self.stages {
+            let StageKind::Sink(factory) = &stage.kind else {
+                continue;
+            };
+            let published = match factory.published_after(restored)? {
+                Some(published) if published.checkpoints.is_empty() => continue,
+                Some(published) => {
+                    let ids: Vec<String> = published
+                        .checkpoints
+                        .iter()
+                        .map(|id| id.get().to_string())
+                        .collect();
+                    format!(
+                        "the output of checkpoint(s) {} ({} records)",
+                        ids.join(", "),
+                        published.records
+                    )
+                }
+                None if fell_back => {
+                    "possibly the output of the newer checkpoints skipped as damaged (the sink cannot say what it published)".to_owned()
+                }
+                None => continue,
+            };
+            if allow {
+                tracing::warn!(
+                    stage = stage.name,
+                    restored = from,
+                    published,
+                    "restoring anyway (duplicates allowed): this output is published again"
+                );
+                continue;
+            }
+            return Err(EngineError::WouldRepublish {
+                restored: from,
+                stage: stage.name.clone(),
+                published,
+            });
         }
         Ok(())
     }

@@ -71,6 +71,20 @@ pub enum EngineError {
         /// Why the newest one cannot be restored.
         newest: String,
     },
+    /// The sinks already published output newer than the restore point (the newer
+    /// checkpoints are damaged, uncommitted or gone): a restart from it would publish
+    /// those records again.
+    #[error(
+        "restoring {restored} would publish again what sink stage {stage:?} already published: {published}; the store no longer has a checkpoint that covers it (see `stillpoint checkpoints verify`). Repair or restore the store, or accept the duplicates with --allow-duplicates ([job] allow_duplicates = true)"
+    )]
+    WouldRepublish {
+        /// The restore point, as words (`checkpoint 3`, `from scratch`).
+        restored: String,
+        /// The sink stage.
+        stage: String,
+        /// What it published after the restore point (checkpoints and records).
+        published: String,
+    },
     /// Too many consecutive checkpoints failed.
     #[error("the job failed: {0}")]
     Failed(String),

@@ -70,6 +70,11 @@ pub struct JobConfig {
     /// runs the 1,000-key count ≈ 20 % faster than 256 × 4 but doubles the stall p50
     /// on a large restored state.
     pub channel_batches: usize,
+    /// Restore even when the sinks already published output newer than the restore
+    /// point — a fallback past damaged checkpoints, a store that lost its newest
+    /// ones — accepting that it is published again (default false: such a run is
+    /// refused, naming the checkpoints and the number of records).
+    pub allow_duplicates: bool,
 }
 
 impl JobConfig {
@@ -92,6 +97,7 @@ impl JobConfig {
             cluster: None,
             batch_records: 256,
             channel_batches: 4,
+            allow_duplicates: false,
         }
     }
 
@@ -412,6 +418,11 @@ pub fn run(
         |manifest| snapshots_needed(manifest, &topology, &topology.all(), groups),
     ))?;
     report.restored_from = restore.as_ref().map(|r| r.manifest.checkpoint);
+    flow.check_republication(
+        report.restored_from,
+        !report.fell_back_from.is_empty(),
+        config.allow_duplicates,
+    )?;
     if let Some(tell) = options.on_start.take() {
         tell(&report);
     }

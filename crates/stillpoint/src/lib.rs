@@ -52,7 +52,7 @@ mod transport;
 pub use cluster::{ClusterConfig, run_coordinator, run_node};
 pub use config::{ConfigError, Job};
 pub use dataflow::{
-    Dataflow, OperatorFactory, Partitioning, SinkFactory, SourceFactory, ToDataflow,
+    Dataflow, OperatorFactory, Partitioning, Published, SinkFactory, SourceFactory, ToDataflow,
 };
 pub use error::EngineError;
 pub use job::{

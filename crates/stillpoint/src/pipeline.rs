@@ -201,6 +201,61 @@ impl crate::SinkFactory for FileSinkFactory {
     fn settle(&self, restored: CheckpointId) -> Result<(), EngineError> {
         recover_transactions(&self.dir, restored)
     }
+
+    /// The published transactions (`committed/`) of checkpoints after `restored`, and
+    /// their lines.
+    fn published_after(
+        &self,
+        restored: Option<CheckpointId>,
+    ) -> Result<Option<crate::Published>, EngineError> {
+        let committed = self.dir.join("committed");
+        let entries = match std::fs::read_dir(&committed) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Some(crate::Published::default()));
+            }
+            Err(e) => return Err(EngineError::io("list", &committed, &e)),
+        };
+        let mut published = crate::Published::default();
+        for entry in entries {
+            let entry = entry.map_err(|e| EngineError::io("list", &committed, &e))?;
+            let Some(PendingFile::Transaction(id, _)) =
+                PendingFile::parse(&entry.file_name().to_string_lossy())
+            else {
+                continue;
+            };
+            if restored.is_some_and(|r| id <= r) {
+                continue;
+            }
+            published.checkpoints.push(id);
+            published.records += count_lines(&entry.path())?;
+        }
+        published.checkpoints.sort_unstable();
+        published.checkpoints.dedup();
+        Ok(Some(published))
+    }
+}
+
+/// The lines of a published transaction, read in blocks.
+fn count_lines(path: &Path) -> Result<u64, EngineError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| EngineError::io("open", path, &e))?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut lines = 0u64;
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| EngineError::io("read", path, &e))?;
+        if n == 0 {
+            return Ok(lines);
+        }
+        lines += buf
+            .get(..n)
+            .unwrap_or_default()
+            .iter()
+            .filter(|b| **b == b'\n')
+            .count() as u64;
+    }
 }
 
 impl TransactionalFileSink {
