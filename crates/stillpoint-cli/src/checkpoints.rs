@@ -230,7 +230,21 @@ async fn show(target: &Target, id: CheckpointId) -> Result<ExitCode> {
 async fn verify(target: &Target, id: Option<CheckpointId>) -> Result<ExitCode> {
     let mut bad = 0usize;
     let entries = match id {
-        Some(id) => vec![(id, None)],
+        // The listing says whether it is committed: one with task manifests but no
+        // commit marker is reported as not committed, not as a missing checkpoint.
+        Some(id) => {
+            let status = target
+                .store
+                .checkpoints()
+                .await?
+                .into_iter()
+                .find(|entry| entry.id == id)
+                .map(|entry| entry.status);
+            if let Some(ListingStatus::Incomplete { .. }) = &status {
+                bad += 1;
+            }
+            vec![(id, status)]
+        }
         None => {
             let entries: Vec<_> = target
                 .store
@@ -258,7 +272,7 @@ async fn verify(target: &Target, id: Option<CheckpointId>) -> Result<ExitCode> {
             Some(ListingStatus::Incomplete { task_manifests }) => {
                 // Not an error (an upload may be in flight), but never restorable.
                 println!(
-                    "checkpoint {}: incomplete, never restored ({task_manifests} task manifest(s), no {})",
+                    "checkpoint {}: not committed, never restored ({task_manifests} task manifest(s), no {})",
                     id.get(),
                     stillpoint_backup::layout::commit_object(id)
                 );

@@ -235,8 +235,18 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
             let deleted_commit =
                 matches!(how, Damage::Delete) && victim.ends_with("_checkpoint.json");
             // Deleting a commit object uncommits its checkpoint (it reads as
-            // incomplete, as after a crash before the commit): not an error.
+            // incomplete, as after a crash before the commit): not an error — unless
+            // that checkpoint is asked for by id, which says it is not committed.
             assert_eq!(ok, deleted_commit, "{how:?} {victim}: {report}");
+            if deleted_commit {
+                let id = victim
+                    .strip_prefix("checkpoints/")
+                    .and_then(|rest| rest.split('/').next())
+                    .map(|digits| digits.parse::<u64>().unwrap().to_string())
+                    .unwrap();
+                let (ok, one, _) = run(&["checkpoints", "verify", &id, "--store", &store], None);
+                assert!(!ok && one.contains("not committed"), "{victim}: {one}");
+            }
             let intact = verified(&report);
 
             // Recovery from each damage to the newest checkpoint's commit and first
