@@ -27,10 +27,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use opendal::raw::*;
 use opendal::{Buffer, Capability, Error, ErrorKind, Metadata, OperationContext, Result};
 
+use crate::lease::Fence;
+
 /// The layer: writes under `root` are staged in `staging` (on the same file system).
 #[derive(Clone, Debug)]
 pub(crate) struct DurableFsLayer {
     paths: Arc<Paths>,
+    /// Checked right before a write is published: a writer whose lease was lost
+    /// while it was inside a write publishes nothing.
+    fence: Option<Fence>,
 }
 
 #[derive(Debug)]
@@ -44,7 +49,7 @@ struct Paths {
 }
 
 impl DurableFsLayer {
-    pub(crate) fn new(root: PathBuf, staging: PathBuf) -> Self {
+    pub(crate) fn new(root: PathBuf, staging: PathBuf, fence: Option<Fence>) -> Self {
         let prefix = format!("{}-{:016x}", std::process::id(), rand::random::<u64>());
         Self {
             paths: Arc::new(Paths {
@@ -53,6 +58,7 @@ impl DurableFsLayer {
                 prefix,
                 next: AtomicU64::new(0),
             }),
+            fence,
         }
     }
 }
@@ -62,6 +68,7 @@ impl Layer for DurableFsLayer {
         Arc::new(DurableFsService {
             inner,
             paths: Arc::clone(&self.paths),
+            fence: self.fence.clone(),
         })
     }
 }
@@ -70,6 +77,7 @@ impl Layer for DurableFsLayer {
 struct DurableFsService {
     inner: Servicer,
     paths: Arc<Paths>,
+    fence: Option<Fence>,
 }
 
 impl Service for DurableFsService {
@@ -133,6 +141,7 @@ impl Service for DurableFsService {
             staged,
             file: None,
             if_not_exists: args.if_not_exists(),
+            fence: self.fence.clone(),
             written: 0,
             done: false,
             published: None,
@@ -209,6 +218,7 @@ struct DurableWriter {
     staged: PathBuf,
     file: Option<std::fs::File>,
     if_not_exists: bool,
+    fence: Option<Fence>,
     written: u64,
     /// Published or aborted: nothing to clean up.
     done: bool,
@@ -260,14 +270,15 @@ impl oio::Write for DurableWriter {
         let Some(file) = self.file.take() else {
             return Err(Error::new(ErrorKind::Unexpected, "staging file not open"));
         };
-        let (root, staged, target, if_not_exists) = (
+        let (root, staged, target, if_not_exists, fence) = (
             self.root.clone(),
             self.staged.clone(),
             self.target.clone(),
             self.if_not_exists,
+            self.fence.clone(),
         );
         let outcome = tokio::task::spawn_blocking(move || {
-            publish(&root, file, &staged, &target, if_not_exists)
+            publish(&root, file, &staged, &target, if_not_exists, fence.as_ref())
         })
         .await
         .map_err(|e| {
@@ -306,6 +317,7 @@ fn publish(
     staged: &Path,
     target: &Path,
     if_not_exists: bool,
+    fence: Option<&Fence>,
 ) -> Result<u64> {
     let result = (|| {
         file.sync_all()
@@ -317,6 +329,13 @@ fn publish(
         drop(file);
         let parent = target.parent().unwrap_or(root);
         create_dirs_durably(root, parent)?;
+        // The last moment to stop: after the syncs, before the name appears.
+        if let Some(fence) = fence {
+            fence.check().map_err(|lost| {
+                Error::new(ErrorKind::PermissionDenied, "the writer's lease is lost")
+                    .with_context("reason", lost.to_string())
+            })?;
+        }
         if if_not_exists {
             match std::fs::hard_link(staged, target) {
                 Ok(()) => {}

@@ -266,6 +266,12 @@ impl Fence {
         }
     }
 
+    /// Whether `other` is this very fence (a clone of it).
+    #[must_use]
+    pub fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+
     /// The owner id it fences for.
     #[must_use]
     pub fn owner(&self) -> u64 {

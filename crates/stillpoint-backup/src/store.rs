@@ -34,6 +34,10 @@ pub struct Store {
     /// When set, every write and delete first checks that the lease behind it may
     /// still write ([`Store::fenced`]).
     fence: Option<Fence>,
+    /// What writes go through: the shared operator, or — for a fenced `file://`
+    /// store — one whose writes check the fence again right before they are
+    /// published (after the slow part: the staging file's and directories' syncs).
+    writes: Operator,
 }
 
 #[derive(Debug)]
@@ -172,12 +176,13 @@ impl Store {
     /// Opens the store at a parsed URI.
     pub fn open_uri(uri: StoreUri, options: StoreOptions) -> Result<Self, StoreError> {
         options.check()?;
-        let op = build_operator(&uri, &options)?;
+        let op = build_operator(&uri, &options, None)?;
         let cipher = options.encryption.as_ref().map(Cipher::new);
         if let Some(key) = &options.encryption {
             tracing::debug!(store = %uri, key = %key.fingerprint(), "store opened with encryption");
         }
         Ok(Self {
+            writes: op.clone(),
             inner: Arc::new(Inner {
                 op,
                 uri,
@@ -194,11 +199,33 @@ impl Store {
     /// before another writer may take over, nothing more is written through it.
     /// Give it to everything that writes on the lease holder's behalf (the export
     /// threads, the coordinator).
+    ///
+    /// On `file://` the fence is checked again inside each write, right before the
+    /// synced staging file is linked or renamed into place: a writer paused in the
+    /// middle of a write (a stopped process) publishes nothing when it resumes after
+    /// losing its lease.
     #[must_use]
     pub fn fenced(&self, fence: Fence) -> Self {
+        if self.fence.as_ref().is_some_and(|f| f.same(&fence)) {
+            return self.clone();
+        }
+        let writes = match &self.inner.uri {
+            StoreUri::File { .. } => {
+                match build_operator(&self.inner.uri, &self.inner.options, Some(&fence)) {
+                    Ok(op) => op,
+                    Err(error) => {
+                        // The same URI and options built the shared operator.
+                        tracing::warn!(%error, "no fenced writer; the fence is checked before each write only");
+                        self.inner.op.clone()
+                    }
+                }
+            }
+            _ => self.inner.op.clone(),
+        };
         Self {
             inner: Arc::clone(&self.inner),
             fence: Some(fence),
+            writes,
         }
     }
 
@@ -208,6 +235,16 @@ impl Store {
         Self {
             inner: Arc::clone(&self.inner),
             fence: None,
+            writes: self.inner.op.clone(),
+        }
+    }
+
+    /// The fence's verdict when it is closed, else `error`: a write the fence
+    /// stopped half-way says so.
+    fn fenced_error(&self, error: StoreError) -> StoreError {
+        match self.check_fence() {
+            Err(lost) => lost,
+            Ok(()) => error,
         }
     }
 
@@ -271,8 +308,7 @@ impl Store {
         self.check_fence()?;
         let bytes = Bytes::from(bytes);
         match self
-            .inner
-            .op
+            .writes
             .write_with(path, bytes.clone())
             .if_not_exists(if_not_exists)
             .await
@@ -289,7 +325,7 @@ impl Store {
                     Err(error) => Err(error),
                 }
             }
-            Err(e) => Err(StoreError::backend("write", path, e)),
+            Err(e) => Err(self.fenced_error(StoreError::backend("write", path, e))),
         }
     }
 
@@ -554,7 +590,8 @@ impl Store {
         }
         self.check_fence()?;
         if let Some((root, target)) = self.linkable(&file.path, &object) {
-            match link_verified(root, local.clone(), target, file.sha256).await {
+            match link_verified(root, local.clone(), target, file.sha256, self.fence.clone()).await
+            {
                 Ok(()) => {
                     self.remember(file.sha256);
                     return Ok(true);
@@ -590,8 +627,7 @@ impl Store {
             .await
             .map_err(|e| StoreError::local("open", local, &e))?;
         let mut writer = self
-            .inner
-            .op
+            .writes
             .writer_with(object)
             .chunk(options.part_size)
             .concurrent(options.part_concurrency)
@@ -631,7 +667,7 @@ impl Store {
                 .close()
                 .await
                 .map(|_| ())
-                .map_err(|e| StoreError::backend("write", object, e)),
+                .map_err(|e| self.fenced_error(StoreError::backend("write", object, e))),
             Err(error) => {
                 // The upload is abandoned; an aborted multipart upload is never visible.
                 if let Err(abort) = writer.abort().await {
@@ -1334,6 +1370,7 @@ async fn link_verified(
     from: PathBuf,
     to: PathBuf,
     digest: Sha256Digest,
+    fence: Option<Fence>,
 ) -> Result<(), StoreError> {
     tokio::task::spawn_blocking(move || {
         let computed = hash_file(&from)?;
@@ -1347,6 +1384,10 @@ async fn link_verified(
         let backend =
             |e: opendal::Error| StoreError::local("sync", parent, &std::io::Error::other(e));
         create_dirs_durably(&root, parent).map_err(backend)?;
+        // After the hashing: a writer paused in it and fenced since links nothing.
+        if let Some(fence) = &fence {
+            fence.check()?;
+        }
         match std::fs::hard_link(&from, &to) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
@@ -1380,7 +1421,11 @@ fn hash_file(path: &Path) -> Result<Sha256Digest, StoreError> {
     Ok(Sha256Digest(hasher.finalize().into()))
 }
 
-fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, StoreError> {
+fn build_operator(
+    uri: &StoreUri,
+    options: &StoreOptions,
+    fence: Option<&Fence>,
+) -> Result<Operator, StoreError> {
     let config_error = |e: opendal::Error| StoreError::InvalidUri {
         uri: uri.to_string(),
         reason: e.to_string(),
@@ -1397,7 +1442,7 @@ fn build_operator(uri: &StoreUri, options: &StoreOptions) -> Result<Operator, St
             let builder = opendal::services::Fs::default().root(&root.to_string_lossy());
             Operator::new(builder)
                 .map_err(config_error)?
-                .layer(DurableFsLayer::new(root.clone(), staging))
+                .layer(DurableFsLayer::new(root.clone(), staging, fence.cloned()))
         }
         StoreUri::Memory { name: None } => {
             Operator::new(opendal::services::Memory::default()).map_err(config_error)?

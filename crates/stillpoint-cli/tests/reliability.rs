@@ -457,7 +457,7 @@ fn a_paused_owner_is_fenced_after_its_lease_is_taken_over() {
     a.wait_for("a checkpoint of the first owner", |l| {
         checkpoint_lines(&l.join("\n")).len() >= 2
     });
-    signal(a.child.id(), "STOP");
+    let in_flight = stop_mid_checkpoint(a.child.id(), &dir.path().join("store"));
     let before_pause = a.lines().len();
 
     // The second coordinator is refused while the lease is live, then takes it over.
@@ -527,11 +527,51 @@ fn a_paused_owner_is_fenced_after_its_lease_is_taken_over() {
         .collect();
     assert!(
         landed.is_empty(),
-        "the old owner wrote after the takeover: {landed:?}"
+        "the old owner, paused mid-checkpoint {in_flight}, wrote after the takeover: {landed:?}"
+    );
+    // The checkpoint it was paused in never became complete.
+    assert!(
+        !root
+            .join(format!("checkpoints/{in_flight:020}/_checkpoint.json"))
+            .exists()
     );
     let (ok, report) = verify(&store);
     assert!(ok, "{report}");
     eprintln!("fencing: {last}");
+}
+
+/// Stops (SIGSTOP) the process writing to the `file://` store at `root` while one of
+/// its checkpoints is in flight — task manifests written, no commit marker — and
+/// returns that checkpoint's id; a checkpoint that completed before the signal
+/// landed is let go (SIGCONT) and the next one tried.
+fn stop_mid_checkpoint(pid: u32, root: &Path) -> u64 {
+    let in_flight = || -> Option<u64> {
+        let entries = std::fs::read_dir(root.join("checkpoints")).ok()?;
+        entries.filter_map(Result::ok).find_map(|entry| {
+            let tasks = std::fs::read_dir(entry.path().join("tasks")).ok()?.count();
+            let committed = entry.path().join("_checkpoint.json").exists();
+            (tasks > 0 && !committed)
+                .then(|| entry.file_name().to_string_lossy().parse().ok())
+                .flatten()
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never caught a checkpoint in flight"
+        );
+        let Some(seen) = in_flight() else {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            continue;
+        };
+        signal(pid, "STOP");
+        let checkpoint = root.join(format!("checkpoints/{seen:020}"));
+        if !checkpoint.join("_checkpoint.json").exists() && checkpoint.exists() {
+            return seen;
+        }
+        signal(pid, "CONT");
+    }
 }
 
 /// Every object of a `file://` store (staging files excepted) with its size and
