@@ -211,7 +211,11 @@ fn three_processes_sigkilled_at_random_lose_and_duplicate_nothing() {
     }
     let kills: u64 = killed.iter().sum();
     eprintln!(
-        "torture (3 processes): {kills} SIGKILLs (coordinator {}, node 1 {}, node 2 {}) uniform over a {span} ms failure-free run, {rounds} rounds, {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
+        "torture (3 processes{}): {kills} SIGKILLs (coordinator {}, node 1 {}, node 2 {}) uniform over a {span} ms failure-free run, {rounds} rounds, {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
+        std::env::var("STILLPOINT_TORTURE_FAULTS").map_or_else(
+            |_| String::new(),
+            |r| format!(", store failing {r} of its operations")
+        ),
         killed[0],
         killed[1],
         killed[2],
