@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use opendal::raw::*;
 use opendal::{Buffer, Capability, Error, ErrorKind, Metadata, OperationContext, Result};
 
+use crate::forward::forward_to_inner;
 use crate::lease::Fence;
 
 /// The layer: writes under `root` are staged in `staging` (on the same file system).
@@ -88,9 +89,9 @@ impl Service for DurableFsService {
     type Copier = oio::Copier;
     type Composer = oio::Composer;
 
-    fn info(&self) -> ServiceInfo {
-        self.inner.info()
-    }
+    forward_to_inner!(
+        info, compose, create_dir, stat, read, copy, list, delete, rename, restore, presign,
+    );
 
     fn capability(&self) -> Capability {
         let mut capability = self.inner.capability();
@@ -99,27 +100,6 @@ impl Service for DurableFsService {
         capability.write_can_copy_from = false;
         capability.write_with_if_not_exists = true;
         capability
-    }
-
-    fn compose(&self, ctx: &OperationContext, to: &str, args: OpCompose) -> Result<Self::Composer> {
-        self.inner.compose(ctx, to, args)
-    }
-
-    async fn create_dir(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpCreateDir,
-    ) -> Result<RpCreateDir> {
-        self.inner.create_dir(ctx, path, args).await
-    }
-
-    async fn stat(&self, ctx: &OperationContext, path: &str, args: OpStat) -> Result<RpStat> {
-        self.inner.stat(ctx, path, args).await
-    }
-
-    fn read(&self, ctx: &OperationContext, path: &str, args: OpRead) -> Result<Self::Reader> {
-        self.inner.read(ctx, path, args)
     }
 
     fn write(&self, _ctx: &OperationContext, path: &str, args: OpWrite) -> Result<Self::Writer> {
@@ -139,59 +119,10 @@ impl Service for DurableFsService {
             root: self.paths.root.clone(),
             target,
             staged,
-            file: None,
             if_not_exists: args.if_not_exists(),
             fence: self.fence.clone(),
-            written: 0,
-            done: false,
-            published: None,
+            stage: Stage::Open(None),
         })
-    }
-
-    fn copy(
-        &self,
-        ctx: &OperationContext,
-        from: &str,
-        to: &str,
-        args: OpCopy,
-    ) -> Result<Self::Copier> {
-        self.inner.copy(ctx, from, to, args)
-    }
-
-    fn list(&self, ctx: &OperationContext, path: &str, args: OpList) -> Result<Self::Lister> {
-        self.inner.list(ctx, path, args)
-    }
-
-    fn delete(&self, ctx: &OperationContext) -> Result<Self::Deleter> {
-        self.inner.delete(ctx)
-    }
-
-    async fn rename(
-        &self,
-        ctx: &OperationContext,
-        from: &str,
-        to: &str,
-        args: OpRename,
-    ) -> Result<RpRename> {
-        self.inner.rename(ctx, from, to, args).await
-    }
-
-    async fn restore(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpRestore,
-    ) -> Result<RpRestore> {
-        self.inner.restore(ctx, path, args).await
-    }
-
-    async fn presign(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpPresign,
-    ) -> Result<RpPresign> {
-        self.inner.presign(ctx, path, args).await
     }
 }
 
@@ -216,30 +147,29 @@ struct DurableWriter {
     root: PathBuf,
     target: PathBuf,
     staged: PathBuf,
-    file: Option<std::fs::File>,
     if_not_exists: bool,
     fence: Option<Fence>,
-    written: u64,
-    /// Published or aborted: nothing to clean up.
-    done: bool,
-    /// The length of the published object, once `close` succeeded (a second `close`
-    /// answers the same instead of publishing an empty file).
-    published: Option<u64>,
+    stage: Stage,
+}
+
+/// Where a [`DurableWriter`] is.
+enum Stage {
+    /// Taking bytes; the staging file is created by the first write.
+    Open(Option<std::fs::File>),
+    /// Published, this long: a second `close` (a retry) answers the same instead of
+    /// publishing an empty file.
+    Published(u64),
+    /// Failed or aborted: nothing is staged any more.
+    Ended,
 }
 
 impl DurableWriter {
-    fn file(&mut self) -> Result<&mut std::fs::File> {
-        if self.file.is_none() {
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&self.staged)
-                .map_err(|e| io_error(e, "create a staging file", &self.staged))?;
-            self.file = Some(file);
-        }
-        self.file
-            .as_mut()
-            .ok_or_else(|| Error::new(ErrorKind::Unexpected, "staging file not open"))
+    fn create_staged(&self) -> Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&self.staged)
+            .map_err(|e| io_error(e, "create a staging file", &self.staged))
     }
 }
 
@@ -248,27 +178,30 @@ impl oio::Write for DurableWriter {
         // Writes of a store object are small or already on a blocking-friendly path
         // (the store hands its large files over in parts of a few MiB); a write to
         // the page cache does not block for long.
-        let length = bs.len() as u64;
-        let staged = self.staged.clone();
-        let file = self.file()?;
+        if let Stage::Open(None) = self.stage {
+            self.stage = Stage::Open(Some(self.create_staged()?));
+        }
+        let Stage::Open(Some(file)) = &mut self.stage else {
+            return Err(Error::new(ErrorKind::Unexpected, "the write was closed"));
+        };
         for chunk in bs {
             file.write_all(&chunk)
-                .map_err(|e| io_error(e, "write a staging file", &staged))?;
+                .map_err(|e| io_error(e, "write a staging file", &self.staged))?;
         }
-        self.written += length;
         Ok(())
     }
 
     async fn close(&mut self) -> Result<Metadata> {
-        if let Some(length) = self.published {
-            return Ok(opendal::MetadataBuilder::file(length).build());
-        }
-        if self.done {
-            return Err(Error::new(ErrorKind::Unexpected, "the write was aborted"));
-        }
-        self.file()?;
-        let Some(file) = self.file.take() else {
-            return Err(Error::new(ErrorKind::Unexpected, "staging file not open"));
+        let file = match std::mem::replace(&mut self.stage, Stage::Ended) {
+            Stage::Open(Some(file)) => file,
+            Stage::Open(None) => self.create_staged()?,
+            Stage::Published(length) => {
+                self.stage = Stage::Published(length);
+                return Ok(opendal::MetadataBuilder::file(length).build());
+            }
+            Stage::Ended => {
+                return Err(Error::new(ErrorKind::Unexpected, "the write was aborted"));
+            }
         };
         let (root, staged, target, if_not_exists, fence) = (
             self.root.clone(),
@@ -277,31 +210,27 @@ impl oio::Write for DurableWriter {
             self.if_not_exists,
             self.fence.clone(),
         );
-        let outcome = tokio::task::spawn_blocking(move || {
+        let length = tokio::task::spawn_blocking(move || {
             publish(&root, file, &staged, &target, if_not_exists, fence.as_ref())
         })
         .await
         .map_err(|e| {
             Error::new(ErrorKind::Unexpected, "a file write's thread failed").set_source(e)
-        })?;
-        self.done = true;
-        let length = outcome?;
-        self.written = length;
-        self.published = Some(length);
+        })??;
+        self.stage = Stage::Published(length);
         Ok(opendal::MetadataBuilder::file(length).build())
     }
 
     async fn abort(&mut self) -> Result<()> {
-        self.file = None;
-        self.done = true;
+        self.stage = Stage::Ended;
         remove_if_present(&self.staged)
     }
 }
 
 impl Drop for DurableWriter {
     fn drop(&mut self) {
-        if !self.done {
-            self.file = None;
+        if let Stage::Open(file) = &mut self.stage {
+            drop(file.take());
             if let Err(error) = remove_if_present(&self.staged) {
                 tracing::debug!(%error, "removing an abandoned staging file failed");
             }
@@ -328,7 +257,7 @@ fn publish(
             .len();
         drop(file);
         let parent = target.parent().unwrap_or(root);
-        create_dirs_durably(root, parent)?;
+        create_dirs_durably(root, parent).map_err(|e| io_error(e, "create directory", parent))?;
         // The last moment to stop: after the syncs, before the name appears.
         if let Some(fence) = fence {
             fence.check().map_err(|lost| {
@@ -351,7 +280,7 @@ fn publish(
         } else {
             std::fs::rename(staged, target).map_err(|e| io_error(e, "rename", target))?;
         }
-        sync_dir(parent)?;
+        sync_path(parent).map_err(|e| io_error(e, "sync directory", parent))?;
         Ok(length)
     })();
     if result.is_err() {
@@ -363,7 +292,7 @@ fn publish(
 
 /// Creates `dir` and its missing ancestors below `root`, syncing each new directory
 /// into its parent so the path survives a power loss.
-pub(crate) fn create_dirs_durably(root: &Path, dir: &Path) -> Result<()> {
+pub(crate) fn create_dirs_durably(root: &Path, dir: &Path) -> std::io::Result<()> {
     let mut missing = Vec::new();
     let mut at = dir;
     while at != root && !at.is_dir() {
@@ -376,22 +305,20 @@ pub(crate) fn create_dirs_durably(root: &Path, dir: &Path) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|e| io_error(e, "create directory", dir))?;
+    std::fs::create_dir_all(dir)?;
     for created in missing.iter().rev() {
         if let Some(parent) = created.parent() {
-            sync_dir(parent)?;
+            sync_path(parent)?;
         }
     }
     Ok(())
 }
 
-/// Syncs a directory's entries to disk.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+/// Syncs a file, or a directory's entries, to disk.
+pub(crate) fn sync_path(path: &Path) -> std::io::Result<()> {
     #[cfg(test)]
-    tests::synced(dir);
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_error(e, "sync directory", dir))
+    tests::synced(path);
+    std::fs::File::open(path).and_then(|f| f.sync_all())
 }
 
 fn remove_if_present(path: &Path) -> Result<()> {

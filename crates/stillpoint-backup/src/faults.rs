@@ -21,6 +21,8 @@ use opendal::{Buffer, Capability, Error, ErrorKind, Metadata, OperationContext, 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::forward::forward_to_inner;
+
 /// Which operations fail, how often, and from which seed.
 #[derive(Clone, Debug)]
 pub struct FaultConfig {
@@ -222,27 +224,12 @@ impl Service for FaultService {
     type Copier = oio::Copier;
     type Composer = oio::Composer;
 
-    fn info(&self) -> ServiceInfo {
-        self.inner.info()
-    }
+    forward_to_inner!(info, compose, create_dir, copy, rename, restore, presign);
 
     fn capability(&self) -> Capability {
         let mut capability = self.inner.capability();
         capability.write_can_copy_from = false;
         capability
-    }
-
-    fn compose(&self, ctx: &OperationContext, to: &str, args: OpCompose) -> Result<Self::Composer> {
-        self.inner.compose(ctx, to, args)
-    }
-
-    async fn create_dir(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpCreateDir,
-    ) -> Result<RpCreateDir> {
-        self.inner.create_dir(ctx, path, args).await
     }
 
     async fn stat(&self, ctx: &OperationContext, path: &str, args: OpStat) -> Result<RpStat> {
@@ -265,16 +252,6 @@ impl Service for FaultService {
         })
     }
 
-    fn copy(
-        &self,
-        ctx: &OperationContext,
-        from: &str,
-        to: &str,
-        args: OpCopy,
-    ) -> Result<Self::Copier> {
-        self.inner.copy(ctx, from, to, args)
-    }
-
     fn list(&self, ctx: &OperationContext, path: &str, args: OpList) -> Result<Self::Lister> {
         self.dice.roll("list", path)?;
         self.inner.list(ctx, path, args)
@@ -283,34 +260,6 @@ impl Service for FaultService {
     fn delete(&self, ctx: &OperationContext) -> Result<Self::Deleter> {
         self.dice.roll("delete", "")?;
         self.inner.delete(ctx)
-    }
-
-    async fn rename(
-        &self,
-        ctx: &OperationContext,
-        from: &str,
-        to: &str,
-        args: OpRename,
-    ) -> Result<RpRename> {
-        self.inner.rename(ctx, from, to, args).await
-    }
-
-    async fn restore(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpRestore,
-    ) -> Result<RpRestore> {
-        self.inner.restore(ctx, path, args).await
-    }
-
-    async fn presign(
-        &self,
-        ctx: &OperationContext,
-        path: &str,
-        args: OpPresign,
-    ) -> Result<RpPresign> {
-        self.inner.presign(ctx, path, args).await
     }
 }
 

@@ -353,8 +353,8 @@ impl Lease {
             });
         }
         let scope = scope.to_owned();
-        let store = store.unfenced();
-        let store = &store;
+        // The lease's own files are written whatever the fence of the handle says.
+        let store = &store.unfenced();
         let now = clock.now_millis();
         let current = read_current(store, &scope).await?;
         let highest_claim = claims(store, &scope).await?.last().copied().unwrap_or(0);

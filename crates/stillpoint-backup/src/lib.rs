@@ -56,6 +56,7 @@ mod crypto;
 mod durable_fs;
 mod error;
 mod faults;
+mod forward;
 pub mod gc;
 pub mod journal;
 pub mod layout;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use stillpoint_wire::CheckpointId;
 
+use crate::durable_fs::sync_path;
 use crate::journal::{self, Journal, JournalConfig, Resumed};
 use crate::lease::Clock;
 use crate::{DownloadReport, Progress, Store, StoreError, layout};
@@ -117,16 +118,13 @@ fn holds_anything(dir: &Path) -> Result<bool, StoreError> {
 /// synced after it.
 fn seal_restore(dir: &Path, tasks: usize, document: &[u8]) -> Result<(), StoreError> {
     fn sync_tree(path: &Path) -> Result<(), StoreError> {
-        let meta = std::fs::metadata(path).map_err(|e| StoreError::local("stat", path, &e))?;
-        if meta.is_dir() {
+        if path.is_dir() {
             for entry in std::fs::read_dir(path).map_err(|e| StoreError::local("list", path, &e))? {
                 let entry = entry.map_err(|e| StoreError::local("list", path, &e))?;
                 sync_tree(&entry.path())?;
             }
         }
-        std::fs::File::open(path)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| StoreError::local("sync", path, &e))
+        sync_path(path).map_err(|e| StoreError::local("sync", path, &e))
     }
     tracing::debug!(dir = %dir.display(), tasks, "syncing the restored files");
     sync_tree(dir)?;
@@ -138,7 +136,5 @@ fn seal_restore(dir: &Path, tasks: usize, document: &[u8]) -> Result<(), StoreEr
     });
     written.map_err(|e| StoreError::local("write", &partial, &e))?;
     std::fs::rename(&partial, &marker).map_err(|e| StoreError::local("rename", &partial, &e))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::local("sync", dir, &e))
+    sync_path(dir).map_err(|e| StoreError::local("sync", dir, &e))
 }

@@ -18,7 +18,7 @@ use stillpoint_wire::{
 use tokio::io::AsyncWriteExt;
 
 use crate::crypto::{Cipher, looks_sealed, sealed_len};
-use crate::durable_fs::{DurableFsLayer, create_dirs_durably, sync_dir};
+use crate::durable_fs::{DurableFsLayer, create_dirs_durably, sync_path};
 use crate::faults::FaultLayer;
 use crate::layout;
 use crate::lease::{Fence, Lease};
@@ -305,26 +305,38 @@ impl Store {
         bytes: Vec<u8>,
         if_not_exists: bool,
     ) -> Result<bool, StoreError> {
+        if !if_not_exists {
+            self.check_fence()?;
+            return match self.writes.write(path, bytes).await {
+                Ok(_) => Ok(true),
+                Err(e) => Err(self.fenced_error(StoreError::backend("write", path, e))),
+            };
+        }
+        Ok(self.create(path, bytes).await?.is_none())
+    }
+
+    /// Creates an object only if none exists: `None` when created, else the bytes
+    /// found (read back once, for the caller to judge).
+    async fn create(&self, path: &str, bytes: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
         self.check_fence()?;
         let bytes = Bytes::from(bytes);
         match self
             .writes
             .write_with(path, bytes.clone())
-            .if_not_exists(if_not_exists)
+            .if_not_exists(true)
             .await
         {
-            Ok(_) => Ok(true),
-            Err(e) if if_not_exists && e.kind() == ErrorKind::ConditionNotMatch => {
-                match self.get_raw(path).await {
-                    Ok(found) if found == bytes => {
-                        tracing::debug!(path, "a retried create found its own earlier write");
-                        Ok(true)
-                    }
-                    Ok(_) => Ok(false),
-                    Err(error) if error.is_not_found() => Ok(false),
-                    Err(error) => Err(error),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::ConditionNotMatch => match self.get_raw(path).await {
+                Ok(found) if found == bytes => {
+                    tracing::debug!(path, "a retried create found its own earlier write");
+                    Ok(None)
                 }
-            }
+                Ok(found) => Ok(Some(found)),
+                // Gone again (deleted): what was there is unknown, and not ours.
+                Err(error) if error.is_not_found() => Ok(Some(Vec::new())),
+                Err(error) => Err(error),
+            },
             Err(e) => Err(self.fenced_error(StoreError::backend("write", path, e))),
         }
     }
@@ -333,15 +345,20 @@ impl Store {
     /// already is fine, one holding other content is [`StoreError::AlreadyWritten`].
     pub(crate) async fn put_once(&self, path: &str, plain: Vec<u8>) -> Result<(), StoreError> {
         let expected = Sha256Digest::of(&plain);
-        if self.put_new(path, plain).await? {
+        let Some(found) = self.create(path, self.seal(path, plain)?).await? else {
             return Ok(());
-        }
-        match self.get(path).await {
-            Ok(found) if Sha256Digest::of(&found) == expected => Ok(()),
-            Ok(_) => Err(StoreError::AlreadyWritten {
+        };
+        // Sealed bytes differ between two writes of the same plaintext (a random
+        // nonce): compare what they open to.
+        let same = self
+            .open_sealed(path, found)
+            .is_ok_and(|plain| Sha256Digest::of(&plain) == expected);
+        if same {
+            Ok(())
+        } else {
+            Err(StoreError::AlreadyWritten {
                 path: path.to_owned(),
-            }),
-            Err(error) => Err(error),
+            })
         }
     }
 
@@ -701,8 +718,9 @@ impl Store {
         // The commit must land while the lease is certainly ours: its write starts
         // only if it can finish before the lease's write deadline (which ends well
         // before the lease may be taken over), and is given up at that deadline.
-        let store = self.fenced(lease.fence());
-        let deadline = lease.fence().time_left();
+        let fence = lease.fence();
+        let deadline = fence.time_left();
+        let store = self.fenced(fence);
         let created = tokio::time::timeout(deadline, store.put_new(&path, document))
             .await
             .map_err(|_| StoreError::LeaseLost {
@@ -1381,9 +1399,8 @@ async fn link_verified(
             });
         }
         let parent = to.parent().unwrap_or_else(|| Path::new("."));
-        let backend =
-            |e: opendal::Error| StoreError::local("sync", parent, &std::io::Error::other(e));
-        create_dirs_durably(&root, parent).map_err(backend)?;
+        create_dirs_durably(&root, parent)
+            .map_err(|e| StoreError::local("create directory", parent, &e))?;
         // After the hashing: a writer paused in it and fenced since links nothing.
         if let Some(fence) = &fence {
             fence.check()?;
@@ -1393,7 +1410,7 @@ async fn link_verified(
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
             Err(e) => return Err(StoreError::local("link", &to, &e)),
         }
-        sync_dir(parent).map_err(backend)
+        sync_path(parent).map_err(|e| StoreError::local("sync", parent, &e))
     })
     .await
     .map_err(|e| StoreError::Local {

@@ -35,10 +35,21 @@ const QUIET_EVERY: u32 = 25;
 /// The round's job file; with `STILLPOINT_TORTURE_FAULTS=RATIO` its store also fails
 /// that share of its operations (`[store] fault_ratio`), kills and faults together.
 fn torture_job(dir: &Path, cluster: Option<(u16, u16, u16)>) -> std::path::PathBuf {
-    let faults = std::env::var("STILLPOINT_TORTURE_FAULTS")
+    torture_job_with(dir, cluster, env_faults())
+}
+
+/// `STILLPOINT_TORTURE_FAULTS`: the share of store operations to fail, if set.
+fn env_faults() -> Option<f64> {
+    std::env::var("STILLPOINT_TORTURE_FAULTS")
         .ok()
-        .map(|ratio| ratio.parse().expect("STILLPOINT_TORTURE_FAULTS is a ratio"));
-    torture_job_with(dir, cluster, faults)
+        .map(|ratio| ratio.parse().expect("STILLPOINT_TORTURE_FAULTS is a ratio"))
+}
+
+/// `, store failing R of its operations` for a summary line, or nothing.
+fn faults_label(faults: Option<f64>) -> String {
+    faults.map_or_else(String::new, |r| {
+        format!(", store failing {r} of its operations")
+    })
 }
 
 /// The round's job file, its store failing `faults` of its operations (half of the
@@ -103,10 +114,7 @@ fn one_process_sigkilled_at_random_times_loses_and_duplicates_nothing() {
     if !wanted(1) {
         return;
     }
-    let faults = std::env::var("STILLPOINT_TORTURE_FAULTS")
-        .ok()
-        .map(|ratio| ratio.parse().expect("STILLPOINT_TORTURE_FAULTS is a ratio"));
-    one_process_loop(env_or("STILLPOINT_TORTURE_KILLS", 6), faults);
+    one_process_loop(env_or("STILLPOINT_TORTURE_KILLS", 6), env_faults());
 }
 
 /// Kills and store faults together, in every CI run: SIGKILLs at random times of a
@@ -179,9 +187,7 @@ fn one_process_loop(target: u64, faults: Option<f64>) {
     }
     eprintln!(
         "torture (1 process{}): {kills} SIGKILLs uniform over a {span} ms failure-free run, {rounds} rounds ({quiet_runs} runs left unkilled after {QUIET_EVERY} kills in a row), {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
-        faults.map_or_else(String::new, |r| format!(
-            ", store failing {r} of its operations"
-        )),
+        faults_label(faults),
         started.elapsed().as_secs_f64()
     );
 }
@@ -212,10 +218,7 @@ fn three_processes_sigkilled_at_random_lose_and_duplicate_nothing() {
     let kills: u64 = killed.iter().sum();
     eprintln!(
         "torture (3 processes{}): {kills} SIGKILLs (coordinator {}, node 1 {}, node 2 {}) uniform over a {span} ms failure-free run, {rounds} rounds, {records} committed records checked, 0 lost, 0 duplicated, {:.1} s",
-        std::env::var("STILLPOINT_TORTURE_FAULTS").map_or_else(
-            |_| String::new(),
-            |r| format!(", store failing {r} of its operations")
-        ),
+        faults_label(env_faults()),
         killed[0],
         killed[1],
         killed[2],

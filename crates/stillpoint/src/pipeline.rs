@@ -208,27 +208,16 @@ impl crate::SinkFactory for FileSinkFactory {
         &self,
         restored: Option<CheckpointId>,
     ) -> Result<Option<crate::Published>, EngineError> {
-        let committed = self.dir.join("committed");
-        let entries = match std::fs::read_dir(&committed) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Some(crate::Published::default()));
-            }
-            Err(e) => return Err(EngineError::io("list", &committed, &e)),
-        };
         let mut published = crate::Published::default();
-        for entry in entries {
-            let entry = entry.map_err(|e| EngineError::io("list", &committed, &e))?;
-            let Some(PendingFile::Transaction(id, _)) =
-                PendingFile::parse(&entry.file_name().to_string_lossy())
-            else {
+        for (file, path) in list_transactions(&self.dir.join("committed"))? {
+            let PendingFile::Transaction(id, _) = file else {
                 continue;
             };
             if restored.is_some_and(|r| id <= r) {
                 continue;
             }
             published.checkpoints.push(id);
-            published.records += count_lines(&entry.path())?;
+            published.records += count_lines(&path)?;
         }
         published.checkpoints.sort_unstable();
         published.checkpoints.dedup();
@@ -346,15 +335,20 @@ impl PendingFile {
 /// Every file of `dir/pending` [`PendingFile`] knows, with its path (none if the
 /// directory does not exist).
 fn list_pending(dir: &Path) -> Result<Vec<(PendingFile, PathBuf)>, EngineError> {
-    let pending = dir.join("pending");
-    let entries = match std::fs::read_dir(&pending) {
+    list_transactions(&dir.join("pending"))
+}
+
+/// Every file of `dir` whose name [`PendingFile`] knows (`pending/` or
+/// `committed/`), with its path; none if the directory does not exist.
+fn list_transactions(dir: &Path) -> Result<Vec<(PendingFile, PathBuf)>, EngineError> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(EngineError::io("list", &pending, &e)),
+        Err(e) => return Err(EngineError::io("list", dir, &e)),
     };
     let mut out = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|e| EngineError::io("list", &pending, &e))?;
+        let entry = entry.map_err(|e| EngineError::io("list", dir, &e))?;
         if let Some(file) = PendingFile::parse(&entry.file_name().to_string_lossy()) {
             out.push((file, entry.path()));
         }
