@@ -439,3 +439,134 @@ fn a_fallback_is_refused_for_a_sink_that_cannot_say_what_it_published() {
     let distinct: std::collections::BTreeSet<_> = published.into_iter().collect();
     assert_eq!(distinct.len() as u64, expected, "every count once at least");
 }
+
+/// A sink stage that says what it published but records no source offsets with it.
+struct Unrecorded(stillpoint::FileSinkFactory);
+
+impl stillpoint::SinkFactory for Unrecorded {
+    fn create(&self, task: stillpoint_wire::TaskId) -> Result<Box<dyn Sink>, EngineError> {
+        self.0.create(task)
+    }
+
+    fn published_after(
+        &self,
+        restored: Option<stillpoint_wire::CheckpointId>,
+    ) -> Result<Option<stillpoint::Published>, EngineError> {
+        self.0.published_after(restored)
+    }
+}
+
+/// A generated source that cannot stop at an offset.
+struct Unstoppable(GeneratedWords);
+
+impl Source for Unstoppable {
+    fn seek(&mut self, offset: Option<&stillpoint_wire::SourceOffset>) -> Result<(), EngineError> {
+        self.0.seek(offset)
+    }
+
+    fn poll(
+        &mut self,
+        max: usize,
+        out: &mut Vec<Record>,
+    ) -> Result<stillpoint::SourcePoll, EngineError> {
+        self.0.poll(max, out)
+    }
+
+    fn offset(&self) -> stillpoint_wire::SourceOffset {
+        self.0.offset()
+    }
+}
+
+/// Where a fallback past published output cannot be replayed exactly — the sink
+/// recorded no source offsets, or a source cannot stop at one — the run is refused,
+/// naming the restore point, the checkpoints, the records and why; allowed, it
+/// publishes exactly those records again and loses nothing.
+#[test]
+fn a_fallback_that_cannot_be_replayed_exactly_is_refused_saying_why() {
+    type Flow = fn(&Path, u64) -> Dataflow;
+    let cases: [(&str, Flow); 2] = [
+        (
+            "the sink did not record the source offsets",
+            |out, words| {
+                Dataflow::source("words", 2, move |index| {
+                    Ok(
+                        Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY))
+                            as Box<dyn Source>,
+                    )
+                })
+                .operator("count", 2, Partitioning::Hash, |_| {
+                    Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+                })
+                .sink(
+                    "publish",
+                    2,
+                    Partitioning::Forward,
+                    Unrecorded(TransactionalFileSink::factory(out)),
+                )
+            },
+        ),
+        (
+            "source stage \"words\" cannot stop at an offset",
+            |out, words| {
+                Dataflow::source("words", 2, move |index| {
+                    Ok(Box::new(Unstoppable(GeneratedWords::new(
+                        SEED, index, words, VOCABULARY,
+                    ))) as Box<dyn Source>)
+                })
+                .operator("count", 2, Partitioning::Hash, |_| {
+                    Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+                })
+                .sink(
+                    "publish",
+                    2,
+                    Partitioning::Forward,
+                    TransactionalFileSink::factory(out),
+                )
+            },
+        ),
+    ];
+    for (why, flow) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config(dir.path());
+        let words = 20_000;
+        let out = dir.path().join("out");
+        let flow = flow(&out, words);
+        let first = run_word_count(&config, &flow, None).unwrap();
+        let newest = first.checkpoints.last().unwrap().checkpoint;
+        assert!(first.checkpoints.len() >= 2, "{why}");
+        let commit = config
+            .work_dir
+            .join("store/checkpoints")
+            .join(format!("{newest:020}"))
+            .join("_checkpoint.json");
+        std::fs::write(&commit, b"damaged").unwrap();
+
+        let error = run_word_count(&config, &flow, None).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            matches!(error, EngineError::WouldRepublish { .. })
+                && message.contains("sink stage \"publish\"")
+                && message.contains(&format!("the output of checkpoint(s) {newest} ("))
+                && message.contains(&format!("cannot be replayed exactly: {why}"))
+                && message.contains("--allow-duplicates"),
+            "{message}"
+        );
+        let named: usize = message
+            .split_once(" records)")
+            .and_then(|(before, _)| before.rsplit_once('(')?.1.parse().ok())
+            .unwrap_or_else(|| panic!("{message}"));
+        assert!(named > 0, "{message}");
+        config.allow_duplicates = true;
+        let second = run_word_count(&config, &flow, None).unwrap();
+        assert_eq!(second.replayed, None, "{why}");
+        let published = read_committed(&out).unwrap();
+        let expected: u64 = totals(words).values().sum();
+        assert_eq!(published.len() as u64, expected + named as u64, "{why}");
+        let distinct: std::collections::BTreeSet<_> = published.into_iter().collect();
+        assert_eq!(
+            distinct.len() as u64,
+            expected,
+            "{why}: every count once at least"
+        );
+    }
+}

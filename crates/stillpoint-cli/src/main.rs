@@ -224,6 +224,13 @@ fn print_start(report: &JobReport, store: &str) {
         Some(id) => println!("resuming from checkpoint {} in {store}", id.get()),
         None => println!("starting fresh: no checkpoint in {store}"),
     }
+    if let Some(replay) = report.replayed {
+        println!(
+            "replaying exactly to the end of the published output of checkpoint {}: its {} records are not published again",
+            replay.through.get(),
+            replay.records
+        );
+    }
 }
 
 fn print_checkpoint(stats: &CheckpointStats) {

@@ -45,6 +45,14 @@ fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path, node_logs: &
     text
 }
 
+/// A `[cluster]` table of a coordinator and two nodes on free loopback ports.
+fn cluster_table() -> String {
+    let (c, n1, n2) = (free_port(), free_port(), free_port());
+    format!(
+        "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n"
+    )
+}
+
 /// The body of `GET /metrics` on a local port.
 fn scrape(port: u16) -> String {
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -58,7 +66,6 @@ fn scrape(port: u16) -> String {
 #[test]
 fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, n1, n2) = (free_port(), free_port(), free_port());
     let (mc, m1, m2) = (free_port(), free_port(), free_port());
     let words = 150_000;
     let job = dir.path().join("job.toml");
@@ -68,7 +75,8 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
         &dir.path().join("out"),
         words,
         &format!(
-            "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n[metrics]\nlisten = \"127.0.0.1:{mc}\"\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n"
+            "{}[metrics]\nlisten = \"127.0.0.1:{mc}\"\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n",
+            cluster_table()
         ),
     );
     let logs = dir.path();
@@ -172,12 +180,9 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
 #[test]
 fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, n1, n2) = (free_port(), free_port(), free_port());
     let words = 150_000;
     let job = dir.path().join("job.toml");
-    let cluster = format!(
-        "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n"
-    );
+    let cluster = cluster_table();
     let write = |aggregators: u32| {
         write_word_count_job(
             &job,
@@ -237,4 +242,104 @@ fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
         .map(|d| d.map(|e| e.unwrap().file_name()).collect())
         .unwrap_or_default();
     assert!(pending.is_empty(), "left pending: {pending:?}");
+}
+
+/// The whole cluster SIGKILLed after its sinks published output, the newest committed
+/// checkpoint then damaged: the restarted cluster falls back to the one before,
+/// replays exactly up to the published output (sources stopped at the offsets the
+/// sinks recorded, the reproduced output dropped) and publishes exactly the
+/// failure-free output.
+#[test]
+fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let words = 150_000;
+    let job = dir.path().join("job.toml");
+    write_word_count_job(
+        &job,
+        &dir.path().join("data"),
+        &dir.path().join("out"),
+        words,
+        &cluster_table(),
+    );
+    let logs = dir.path();
+    let mut first = vec![
+        spawn(&["coordinator"], &job, &logs.join("coordinator.log")),
+        spawn(&["node", "--node", "1"], &job, &logs.join("node1.log")),
+        spawn(&["node", "--node", "2"], &job, &logs.join("node2.log")),
+    ];
+    let store = dir.path().join("data/store/checkpoints");
+    let commits = dir.path().join("out/commits");
+    let committed = || -> Vec<u64> {
+        let mut ids: Vec<u64> = std::fs::read_dir(&store)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.path().join("_checkpoint.json").exists())
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort_unstable();
+        ids
+    };
+    // The checkpoints recorded next to the output (so told to the sinks to publish).
+    let recorded = || -> Vec<u64> {
+        let mut ids: Vec<u64> = std::fs::read_dir(&commits)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort_unstable();
+        ids
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while recorded().len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no published checkpoint within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for process in &mut first {
+        process.kill().unwrap(); // SIGKILL
+        process.wait().unwrap();
+    }
+    // Damage the newest recorded checkpoint and any committed after it: the restart
+    // restores the one before and falls back past published output.
+    let newest = *recorded().last().unwrap();
+    let ids = committed();
+    let restored = ids.iter().copied().filter(|id| *id < newest).max().unwrap();
+    for id in ids.iter().filter(|id| **id >= newest) {
+        let manifest = store.join(format!("{id:020}/tasks/task-1.json"));
+        let mut bytes = std::fs::read(&manifest).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x20;
+        std::fs::write(&manifest, bytes).unwrap();
+    }
+
+    let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator-2.log"));
+    let mut nodes = [
+        spawn(&["node", "--node", "1"], &job, &logs.join("node1-2.log")),
+        spawn(&["node", "--node", "2"], &job, &logs.join("node2-2.log")),
+    ];
+    let log = finish(
+        &mut coordinator,
+        &mut nodes,
+        &logs.join("coordinator-2.log"),
+        &[&logs.join("node1-2.log"), &logs.join("node2-2.log")],
+    );
+    assert!(
+        log.contains(&format!("checkpoint {newest} does not verify, skipped"))
+            && log.contains(&format!("resuming from checkpoint {restored} "))
+            && log.contains(&format!(
+                "replaying exactly to the end of the published output of checkpoint {newest}"
+            )),
+        "the second run did not fall back and replay:\n{log}"
+    );
+    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    output.sort();
+    let expected = expected(words, 300);
+    assert_eq!(output.len(), expected.len(), "lost or duplicated records");
+    assert_eq!(output, expected);
 }

@@ -184,8 +184,9 @@ fn damage(path: &Path, how: Damage) {
 
 /// A store with several retained checkpoints; each file of each of them flipped,
 /// truncated and deleted in turn: `checkpoints verify` names the file every time;
-/// damage to the newest checkpoint makes recovery fall back to the newest one that
-/// verifies, say so, and lose nothing.
+/// damage to each file of the newest checkpoint (after its output was published)
+/// makes recovery fall back to the newest one that verifies, say so, replay exactly
+/// up to the published output and publish exactly the failure-free output.
 #[test]
 fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
     const WORDS: u64 = 250_000;
@@ -222,7 +223,8 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
     let mut cases = 0;
     let mut shared_recovered = [false; 3];
     let mut refused = 0;
-    let mut republished = 0;
+    let mut lines_checked = 0;
+    let mut replayed_records = 0;
     for victim in &victims {
         for how in [Damage::Flip, Damage::Truncate, Damage::Delete] {
             damage(&store_dir.join(victim), how);
@@ -249,10 +251,9 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
             }
             let intact = verified(&report);
 
-            // Recovery from each damage to the newest checkpoint's commit and first
-            // task manifest, and to the first shared file the newest one needs.
-            let recover = *victim == format!("{newest_dir}_checkpoint.json")
-                || *victim == format!("{newest_dir}tasks/task-1.json")
+            // Recovery from each damage to every file of the newest checkpoint (its
+            // commit and each task manifest), and to the first shared file it needs.
+            let recover = victim.starts_with(&newest_dir)
                 || (victim.starts_with("shared/")
                     && !intact.contains(&newest)
                     && !shared_recovered[how as usize]);
@@ -285,23 +286,9 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
                 copy_dir(&pristine.join("store"), &store_dir);
                 continue;
             };
-            // The sinks published the newer checkpoints' output: restoring `from`
-            // would publish it again, so the run refuses, naming the checkpoints and
-            // the records; allowed, it publishes exactly those records again.
-            assert!(!ok, "{how:?} {victim}: {stdout}");
-            let refusal = stderr.lines().last().unwrap_or_default();
-            assert!(
-                refusal.starts_with(&format!(
-                    "stillpoint: error: restoring checkpoint {from} would publish again"
-                )) && refusal.contains("--allow-duplicates"),
-                "{how:?} {victim}: {stderr}"
-            );
-            let named: usize = refusal
-                .split_once(" records)")
-                .and_then(|(before, _)| before.rsplit_once('(')?.1.parse().ok())
-                .unwrap_or_else(|| panic!("{refusal}"));
-            assert!(refusal.contains(&newest.to_string()), "{refusal}");
-            let (ok, stdout, stderr) = run(&["run", "--allow-duplicates"], Some(&job));
+            // The sinks published the newest checkpoint's output and recorded the
+            // source offsets it covers: the run restores `from`, replays exactly up to
+            // those offsets and drops what it reproduces there.
             assert!(ok, "{how:?} {victim}: {stdout}\n{stderr}");
             assert!(
                 stdout.contains(&format!("resuming from checkpoint {from} ")),
@@ -316,16 +303,38 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
                     .unwrap_or_else(|| panic!("{how:?} {victim}: {stdout}"));
                 assert!(skipped.contains(victim.as_str()), "{skipped}");
             }
-            // Nothing is lost, and what is published twice is exactly what the
-            // refusal named (a published transaction is never taken back).
+            let replayed: usize = stdout
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix(&format!(
+                        "replaying exactly to the end of the published output of checkpoint {newest}: its "
+                    ))?
+                    .split_once(' ')?
+                    .0
+                    .parse()
+                    .ok()
+                })
+                .unwrap_or_else(|| panic!("{how:?} {victim}: {stdout}"));
+            assert!(replayed > 0, "{how:?} {victim}: {stdout}");
+            // Exactly the failure-free output, line for line.
             let output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
-            let (lost, duplicated) = lost_and_duplicated(&output, &expected(WORDS, VOCABULARY));
-            assert_eq!((lost, duplicated), (0, named), "{how:?} {victim}");
-            republished += named;
+            let expected = expected(WORDS, VOCABULARY);
+            assert_eq!(
+                lost_and_duplicated(&output, &expected),
+                (0, 0),
+                "{how:?} {victim}"
+            );
+            assert_eq!(output.len(), expected.len(), "{how:?} {victim}");
+            lines_checked += output.len();
+            replayed_records += replayed;
             copy_dir(&pristine.join("store"), &store_dir);
         }
     }
     assert!(recoveries >= 9, "{recoveries}");
+    assert!(
+        recoveries - refused >= 9,
+        "{recoveries} recoveries, {refused} refused"
+    );
 
     // Every retained checkpoint damaged: the run refuses to start over (which would
     // publish the output again), naming the newest problem; the output is untouched.
@@ -354,7 +363,7 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
         "nothing published"
     );
     eprintln!(
-        "corruption sweep: {} files × 3 damages = {cases} cases named by verify; {} recoveries fell back past published output: each refused naming the records, then with --allow-duplicates 0 lost and exactly the {republished} named records published again; {refused} refused (no checkpoint verified)",
+        "corruption sweep: {} files × 3 damages = {cases} cases named by verify; {} recoveries fell back past published output and replayed it exactly ({replayed_records} records reproduced and dropped): {lines_checked} lines checked, 0 lost, 0 duplicated; {refused} refused (no checkpoint verified)",
         victims.len(),
         recoveries - refused
     );

@@ -17,8 +17,10 @@ use stillpoint_wire::{
     CheckpointId, CheckpointManifest, Message, NodeId, SnapshotManifest, TaskId,
 };
 
-use crate::dataflow::StageKind;
-use crate::driver::{ExportJob, ExportOutcome, Partitioner, Role, TaskDriver, export_loop};
+use crate::dataflow::{Replay, StageKind};
+use crate::driver::{
+    ExportJob, ExportOutcome, Partitioner, ReplayRole, Role, TaskDriver, export_loop,
+};
 use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Links};
 use crate::{Dataflow, EngineError, JobConfig, Partitioning};
@@ -445,6 +447,8 @@ pub(crate) struct Builder<'a> {
     pub(crate) node: NodeId,
     pub(crate) metrics: &'a Metrics,
     pub(crate) restore: Option<&'a Restore>,
+    /// A replay up to the end of published output, if the restore needs one.
+    pub(crate) replay: Option<&'a Replay>,
 }
 
 impl Builder<'_> {
@@ -576,6 +580,17 @@ impl Builder<'_> {
             self.epoch,
         );
         driver.records = self.metrics.records_of(task);
+        driver.replay = match (self.replay, &stage.kind) {
+            (Some(replay), StageKind::Source(_)) => ReplayRole::Source {
+                bound: replay.bounds.get(&task).cloned().ok_or_else(|| {
+                    EngineError::Invalid(format!("{task} has no bound in the replay"))
+                })?,
+                reported: false,
+                at: None,
+            },
+            (Some(_), StageKind::Sink(_)) => ReplayRole::Sink { dropped: 0 },
+            _ => ReplayRole::None,
+        };
         driver.batch = self.config.batch_records.max(1);
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))

@@ -23,13 +23,16 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use stillpoint_backup::{Lease, Store, StoreError, SystemClock};
 use stillpoint_state::KeyGroups;
-use stillpoint_wire::{CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, TaskId};
+use stillpoint_wire::{
+    CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, SourcePosition, TaskId,
+};
 
 use crate::build::{
     Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
     is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
+use crate::dataflow::Replay;
 use crate::job::{
     coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
 };
@@ -255,19 +258,33 @@ pub fn run_coordinator(
         };
         // Before any node starts: a restore that would publish again what the sinks
         // already published is refused (unless duplicates are allowed).
-        if let Err(error) = flow.check_republication(
+        // An exact replay up to it where possible.
+        let plan = match flow.plan_restore(
             restore_id,
             !report.fell_back_from.is_empty(),
             config.allow_duplicates,
+            &topology.sources,
         ) {
-            break Err(error);
-        }
+            Ok(plan) => plan,
+            Err(error) => break Err(error),
+        };
         let g = generation.fetch_add(1, Ordering::SeqCst) + 1;
-        tracing::info!(generation = g, checkpoint = ?restore_id, "starting a generation");
+        tracing::info!(generation = g, checkpoint = ?restore_id, replay = plan.replay.is_some(), "starting a generation");
+        let bounds = plan.replay.as_ref().map(|replay| {
+            replay
+                .bounds
+                .iter()
+                .map(|(task, offset)| SourcePosition {
+                    task: *task,
+                    offset: offset.clone(),
+                })
+                .collect::<Vec<_>>()
+        });
         for link in nodes.values() {
             let _closed = link.writer.send(Envelope::Engine(EngineMessage::Start {
                 generation: g,
                 checkpoint: restore_id.map(CheckpointId::get),
+                replay: bounds.clone(),
             }));
         }
         match wait_ready(
@@ -292,6 +309,7 @@ pub fn run_coordinator(
             Ready::Fatal(error) => break Err(error),
         }
         report.restored_from = restore_id;
+        report.replayed = plan.replay.as_ref().map(crate::Replayed::from);
         if let Some(tell) = options.on_start.take() {
             tell(&report);
         }
@@ -299,7 +317,7 @@ pub fn run_coordinator(
             metrics.restored(id.get());
         }
         let highest_seen = match highest_checkpoint(&runtime, &store) {
-            Ok(id) => id,
+            Ok(id) => id.max(plan.newest_published.unwrap_or(CheckpointId(0))),
             Err(error) => break Err(error),
         };
         let machine = match coordinator_machine(config, &topology, restore_id, highest_seen) {
@@ -330,9 +348,10 @@ pub fn run_coordinator(
                 signals: Arc::new(Signals::default()),
                 epoch: Instant::now(),
                 config,
+                flow: &flow,
                 sources: topology.sources.clone(),
                 stages: topology.parallelisms(),
-                seen: Seen::default(),
+                seen: Seen::replaying(plan.replay.as_ref()),
                 backoff: gc_backoff(),
                 report: &mut report,
                 metrics: Arc::clone(&metrics),
@@ -493,6 +512,10 @@ fn accept_node(
                             error: error.to_string(),
                         },
                     },
+                    Envelope::Engine(EngineMessage::SourceAtBound {
+                        generation: g,
+                        task,
+                    }) if g == current => CoordinatorInput::SourceAtBound { task: TaskId(task) },
                     Envelope::Engine(EngineMessage::TaskFailed {
                         generation: g,
                         task,
@@ -1059,11 +1082,22 @@ impl NodeState<'_> {
                     EngineMessage::Start {
                         generation,
                         checkpoint,
+                        replay,
                     } => {
                         if let Some(old) = current.take() {
                             old.end(false);
                         }
-                        current = self.start(generation, checkpoint.map(CheckpointId), writer)?;
+                        let replay = replay.map(|bounds| Replay {
+                            through: checkpoint.map_or(CheckpointId(0), CheckpointId),
+                            bounds: bounds.into_iter().map(|p| (p.task, p.offset)).collect(),
+                            records: 0,
+                        });
+                        current = self.start(
+                            generation,
+                            checkpoint.map(CheckpointId),
+                            replay.as_ref(),
+                            writer,
+                        )?;
                     }
                     EngineMessage::Reset { generation } => {
                         if current.as_ref().is_some_and(|c| c.generation == generation)
@@ -1109,6 +1143,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         checkpoint: Option<CheckpointId>,
+        replay: Option<&Replay>,
         writer: &Sender<Envelope>,
     ) -> Result<Option<Generation>, EngineError> {
         let local: Vec<TaskId> = self
@@ -1149,7 +1184,7 @@ impl NodeState<'_> {
             }
             _ => Ok(()),
         };
-        match settled.and_then(|()| self.build(g, &local, restore.as_ref(), writer)) {
+        match settled.and_then(|()| self.build(g, &local, (restore.as_ref(), replay), writer)) {
             Ok(generation) => {
                 let _closed = writer.send(Envelope::Engine(EngineMessage::Ready { generation: g }));
                 tracing::info!(node = %self.node, generation = g, tasks = local.len(), "generation running");
@@ -1173,7 +1208,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         local: &[TaskId],
-        restore: Option<&Restore>,
+        restore: (Option<&Restore>, Option<&Replay>),
         writer: &Sender<Envelope>,
     ) -> Result<Generation, EngineError> {
         let mut generation = Generation {
@@ -1198,7 +1233,7 @@ impl NodeState<'_> {
         &mut self,
         generation: &mut Generation,
         local: &[TaskId],
-        restore: Option<&Restore>,
+        (restore, replay): (Option<&Restore>, Option<&Replay>),
         writer: &Sender<Envelope>,
     ) -> Result<(), EngineError> {
         let g = generation.generation;
@@ -1369,6 +1404,12 @@ impl NodeState<'_> {
                                 offset: offset.as_bytes().to_vec(),
                             })
                         }
+                        CoordinatorInput::SourceAtBound { task } => {
+                            Envelope::Engine(EngineMessage::SourceAtBound {
+                                generation: g,
+                                task: task.get(),
+                            })
+                        }
                         CoordinatorInput::TaskFailed { task, error } => {
                             Envelope::Engine(EngineMessage::TaskFailed {
                                 generation: g,
@@ -1398,6 +1439,7 @@ impl NodeState<'_> {
             node: self.node,
             metrics: &self.metrics,
             restore,
+            replay,
         };
         for task in local {
             let mut control: BTreeMap<TaskId, Sender<Message>> = (*local_control).clone();

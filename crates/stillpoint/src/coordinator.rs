@@ -3,7 +3,7 @@
 //! store under the job's lease, per-checkpoint statistics, retention and garbage
 //! collection — and decides when the job is done.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -17,7 +17,9 @@ use stillpoint_wire::{
 
 use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Signals};
-use crate::{CheckpointCallback, CheckpointStats, EngineError, JobConfig, JobReport, StopHandle};
+use crate::{
+    CheckpointCallback, CheckpointStats, Dataflow, EngineError, JobConfig, JobReport, StopHandle,
+};
 
 pub(crate) struct CoordinatorDriver<'a> {
     pub(crate) coordinator: Coordinator,
@@ -30,6 +32,8 @@ pub(crate) struct CoordinatorDriver<'a> {
     pub(crate) signals: Arc<Signals>,
     pub(crate) epoch: Instant,
     pub(crate) config: &'a JobConfig,
+    /// The dataflow: its sinks record each commit before they publish it.
+    pub(crate) flow: &'a Dataflow,
     pub(crate) sources: Vec<TaskId>,
     /// The dataflow's parallelism per stage, recorded in every checkpoint.
     pub(crate) stages: Vec<u32>,
@@ -56,6 +60,22 @@ pub(crate) struct Seen {
     pub(crate) stop_on_savepoint: bool,
     /// Inputs the driver stopped at that its caller must apply (cluster mode).
     pub(crate) stash: Vec<CoordinatorInput>,
+    /// A replay up to published output: the sources not yet at their bound. No
+    /// checkpoint is triggered until every one is; then one is, at once, exactly
+    /// there.
+    pub(crate) replaying: BTreeSet<TaskId>,
+}
+
+impl Seen {
+    /// A run's bookkeeping at its start: with the sources of `replay` replaying.
+    pub(crate) fn replaying(replay: Option<&crate::dataflow::Replay>) -> Self {
+        Self {
+            replaying: replay
+                .map(|r| r.bounds.keys().copied().collect())
+                .unwrap_or_default(),
+            ..Self::default()
+        }
+    }
 }
 
 impl CoordinatorDriver<'_> {
@@ -93,6 +113,14 @@ impl CoordinatorDriver<'_> {
                 }
                 Ok(CoordinatorInput::SourceFinished { task, offset }) => {
                     self.seen.finished.insert(task, offset);
+                }
+                Ok(CoordinatorInput::SourceAtBound { task }) => {
+                    if self.seen.replaying.remove(&task) && self.seen.replaying.is_empty() {
+                        tracing::info!(
+                            "every source replayed up to the published output: a checkpoint there"
+                        );
+                        self.coordinator.request_checkpoint(self.now());
+                    }
                 }
                 Ok(CoordinatorInput::TaskFailed { task, error }) => {
                     return Err(EngineError::Failed(format!("{task}: {error}")));
@@ -144,11 +172,14 @@ impl CoordinatorDriver<'_> {
                     tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
                 }
             }
-            if self.seen.stop_on_savepoint {
+            // While sources replay up to published output nothing is triggered: the
+            // first checkpoint must be taken at their bounds.
+            let replaying = !self.seen.replaying.is_empty();
+            if self.seen.stop_on_savepoint && !replaying {
                 self.request_savepoint();
             }
             let now = self.now();
-            if self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
+            if !replaying && self.coordinator.poll_timeout().is_some_and(|t| t <= now) {
                 self.coordinator.handle_timeout(now);
             }
             if self.apply()? {
@@ -315,6 +346,10 @@ impl CoordinatorDriver<'_> {
         };
         self.runtime
             .block_on(self.store.commit(&manifest, &self.lease))?;
+        // Next to the output, before any sink is told to publish: a fallback past this
+        // checkpoint replays exactly up to these offsets.
+        self.flow
+            .record_commit(request.checkpoint, &manifest.sources)?;
         self.seen.offsets.insert(
             request.checkpoint,
             manifest

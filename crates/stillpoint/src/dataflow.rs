@@ -16,9 +16,10 @@
 //! # Ok::<(), stillpoint::EngineError>(())
 //! ```
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use stillpoint_wire::{CheckpointId, TaskId};
+use stillpoint_wire::{CheckpointId, SourceOffset, SourcePosition, TaskId};
 
 use crate::{EngineError, Operator, Sink, Source};
 
@@ -57,11 +58,27 @@ pub trait SinkFactory: Send + Sync {
         Ok(())
     }
 
+    /// Records durably, next to the output, that `checkpoint` committed and covers the
+    /// sources up to `sources`. The coordinator calls it once the checkpoint's commit
+    /// marker is in the store and before any task of the stage is told to publish it:
+    /// what lets a later fallback past a damaged checkpoint replay exactly up to the
+    /// published output ([`Published::covers`]). An error fails the checkpoint. The
+    /// default records nothing.
+    fn record_commit(
+        &self,
+        checkpoint: CheckpointId,
+        sources: &[SourcePosition],
+    ) -> Result<(), EngineError> {
+        let _ = (checkpoint, sources);
+        Ok(())
+    }
+
     /// What this stage has published for checkpoints newer than `restored` (every
-    /// checkpoint when `None`): output a restart from `restored` would publish again.
-    /// `Ok(None)` — the default — when the sink cannot tell; the engine then refuses
-    /// to fall back past a checkpoint that did not verify (it cannot rule out
-    /// republishing) unless duplicates are allowed.
+    /// checkpoint when `None`) — or will publish when its sinks recover: output a
+    /// restart from `restored` would publish again. `Ok(None)` — the default — when
+    /// the sink cannot tell; the engine then refuses to fall back past a checkpoint
+    /// that did not verify (it cannot rule out republishing) unless duplicates are
+    /// allowed.
     fn published_after(
         &self,
         restored: Option<CheckpointId>,
@@ -78,6 +95,34 @@ pub struct Published {
     pub checkpoints: Vec<CheckpointId>,
     /// The records they hold.
     pub records: u64,
+    /// The source offsets the newest of them covers, when the sink recorded them
+    /// ([`SinkFactory::record_commit`]): the engine then replays exactly up to them
+    /// and drops that output instead of publishing it again. `None`: unknown, and
+    /// such a restore is refused unless duplicates are allowed.
+    pub covers: Option<Vec<SourcePosition>>,
+}
+
+/// How a restore deals with output the sinks published after its checkpoint.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RestorePlan {
+    /// The exact replay, when there is published output to replay up to.
+    pub(crate) replay: Option<Replay>,
+    /// The newest checkpoint id the sinks know of (next ids must be greater: a
+    /// transaction's name is its checkpoint id).
+    pub(crate) newest_published: Option<CheckpointId>,
+}
+
+/// A replay up to the end of published output: every source stops at its bound until
+/// a checkpoint taken there completes, and the sinks drop what they receive before
+/// that checkpoint's barrier (it was published already).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Replay {
+    /// The newest checkpoint whose output is published.
+    pub(crate) through: CheckpointId,
+    /// Where each source task stops.
+    pub(crate) bounds: BTreeMap<TaskId, SourceOffset>,
+    /// The published records the replay reproduces (not published again).
+    pub(crate) records: u64,
 }
 
 impl<F> SinkFactory for F
@@ -197,41 +242,75 @@ impl Dataflow {
         Ok(())
     }
 
-    /// Refuses a restore of `restored` that would publish again output the sinks have
-    /// already published ([`EngineError::WouldRepublish`]), unless `allow` (then it is
-    /// logged). `fell_back`: newer committed checkpoints were skipped as damaged, so a
-    /// sink that cannot say what it published is presumed to have published them.
-    pub(crate) fn check_republication(
+    /// Records a commit with every sink stage ([`SinkFactory::record_commit`]).
+    pub(crate) fn record_commit(
+        &self,
+        checkpoint: CheckpointId,
+        sources: &[SourcePosition],
+    ) -> Result<(), EngineError> {
+        for stage in &self.stages {
+            if let StageKind::Sink(factory) = &stage.kind {
+                factory.record_commit(checkpoint, sources)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How a restore of `restored` avoids publishing again what the sinks published
+    /// after it: an exact replay up to the offsets the newest published transaction
+    /// covers, when the sinks recorded them and every source (tasks `sources`) can
+    /// stop there. Otherwise the restore is refused ([`EngineError::WouldRepublish`])
+    /// unless `allow` (then it is logged). `fell_back`: newer committed checkpoints
+    /// were skipped as damaged, so a sink that cannot say what it published is
+    /// presumed to have published them.
+    pub(crate) fn plan_restore(
         &self,
         restored: Option<CheckpointId>,
         fell_back: bool,
         allow: bool,
-    ) -> Result<(), EngineError> {
+        sources: &[TaskId],
+    ) -> Result<RestorePlan, EngineError> {
         let from = restored.map_or_else(
             || "from scratch".to_owned(),
             |id| format!("checkpoint {}", id.get()),
         );
+        let mut plan = RestorePlan::default();
         for stage in &self.stages {
             let StageKind::Sink(factory) = &stage.kind else {
                 continue;
             };
-            let published = match factory.published_after(restored)? {
+            let (published, why) = match factory.published_after(restored)? {
                 Some(published) if published.checkpoints.is_empty() => continue,
                 Some(published) => {
-                    let ids: Vec<String> = published
-                        .checkpoints
-                        .iter()
-                        .map(|id| id.get().to_string())
-                        .collect();
-                    format!(
-                        "the output of checkpoint(s) {} ({} records)",
-                        ids.join(", "),
-                        published.records
-                    )
+                    plan.newest_published = plan
+                        .newest_published
+                        .max(published.checkpoints.last().copied());
+                    match self.replay(&published, sources)? {
+                        Ok(replay) => {
+                            plan.replay = Some(replay);
+                            continue;
+                        }
+                        Err(why) => {
+                            let ids: Vec<String> = published
+                                .checkpoints
+                                .iter()
+                                .map(|id| id.get().to_string())
+                                .collect();
+                            (
+                                format!(
+                                    "the output of checkpoint(s) {} ({} records)",
+                                    ids.join(", "),
+                                    published.records
+                                ),
+                                why,
+                            )
+                        }
+                    }
                 }
-                None if fell_back => {
-                    "possibly the output of the newer checkpoints skipped as damaged (the sink cannot say what it published)".to_owned()
-                }
+                None if fell_back => (
+                    "possibly the output of the newer checkpoints skipped as damaged".to_owned(),
+                    "the sink cannot say what it published".to_owned(),
+                ),
                 None => continue,
             };
             if allow {
@@ -239,6 +318,7 @@ impl Dataflow {
                     stage = stage.name,
                     restored = from,
                     published,
+                    why,
                     "restoring anyway (duplicates allowed): this output is published again"
                 );
                 continue;
@@ -247,9 +327,50 @@ impl Dataflow {
                 restored: from,
                 stage: stage.name.clone(),
                 published,
+                why,
             });
         }
-        Ok(())
+        Ok(plan)
+    }
+
+    /// The exact replay of `published`, or why there is none.
+    fn replay(
+        &self,
+        published: &Published,
+        sources: &[TaskId],
+    ) -> Result<Result<Replay, String>, EngineError> {
+        let (Some(covers), Some(through)) = (&published.covers, published.checkpoints.last())
+        else {
+            return Ok(Err(
+                "the sink did not record the source offsets its output covers".to_owned(),
+            ));
+        };
+        let bounds: BTreeMap<TaskId, SourceOffset> =
+            covers.iter().map(|p| (p.task, p.offset.clone())).collect();
+        if !bounds.keys().eq(sources.iter()) {
+            return Ok(Err(format!(
+                "the published output covers source tasks {:?}, the job has {sources:?}",
+                bounds.keys().map(|t| t.get()).collect::<Vec<_>>()
+            )));
+        }
+        for stage in &self.stages {
+            let StageKind::Source(factory) = &stage.kind else {
+                continue;
+            };
+            for index in 0..stage.parallelism {
+                if !factory(index)?.stops_at_offsets() {
+                    return Ok(Err(format!(
+                        "source stage {:?} cannot stop at an offset",
+                        stage.name
+                    )));
+                }
+            }
+        }
+        Ok(Ok(Replay {
+            through: *through,
+            bounds,
+            records: published.records,
+        }))
     }
 
     /// The parallelism of each stage, in order.

@@ -178,10 +178,31 @@ pub(crate) struct TaskDriver {
     pub(crate) batch: usize,
     /// Records this task took in (read or received), for the metrics.
     pub(crate) records: Arc<AtomicU64>,
+    /// A replay up to published output ([`Replay`]): what this task does until it.
+    pub(crate) replay: ReplayRole,
     blocked: BTreeSet<TaskId>,
     queued_barriers: VecDeque<CheckpointId>,
     aligning_since: Option<Instant>,
     finished_reported: bool,
+}
+
+/// A task's part in a replay up to the end of published output
+/// ([`crate::dataflow::Replay`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum ReplayRole {
+    /// No replay (or this task's part is over).
+    #[default]
+    None,
+    /// A source: read up to `bound`, say so, inject barriers only there, and read on
+    /// only once a checkpoint taken there (`at`, the first injected) has completed.
+    Source {
+        bound: SourceOffset,
+        reported: bool,
+        at: Option<CheckpointId>,
+    },
+    /// A sink: every record before its first snapshot is published output already;
+    /// drop it (counting it).
+    Sink { dropped: u64 },
 }
 
 impl TaskDriver {
@@ -219,6 +240,7 @@ impl TaskDriver {
             epoch,
             batch: 256,
             records: Arc::new(AtomicU64::new(0)),
+            replay: ReplayRole::None,
             blocked: BTreeSet::new(),
             queued_barriers: VecDeque::new(),
             aligning_since: None,
@@ -315,6 +337,9 @@ impl TaskDriver {
     }
 
     fn source_step(&mut self) -> Result<(), EngineError> {
+        if let ReplayRole::Source { .. } = self.replay {
+            return self.replay_step();
+        }
         if let Some(checkpoint) = self.queued_barriers.pop_front() {
             // Every record read so far has been processed and sent: the barrier is
             // behind all accepted input.
@@ -347,6 +372,51 @@ impl TaskDriver {
                 self.idle(Duration::from_millis(5))
             }
         }
+    }
+
+    /// A source replaying up to its bound: reads up to it, then says so and injects
+    /// barriers there only, and waits there until a checkpoint taken there completes.
+    fn replay_step(&mut self) -> Result<(), EngineError> {
+        let (
+            ReplayRole::Source {
+                bound,
+                reported,
+                at,
+            },
+            Role::Source(source),
+        ) = (&mut self.replay, &mut self.role)
+        else {
+            return Ok(());
+        };
+        if source.offset() != *bound {
+            let mut records = Vec::with_capacity(self.batch);
+            return match source.poll_until(self.batch, bound, &mut records)? {
+                SourcePoll::Records => {
+                    self.records
+                        .fetch_add(records.len() as u64, Ordering::Relaxed);
+                    self.emit(records)
+                }
+                SourcePoll::Idle => self.idle(Duration::from_millis(1)),
+                SourcePoll::Finished => Err(EngineError::Invalid(format!(
+                    "{}: the input ended before the offset its published output covers: it changed after that output was published",
+                    self.task
+                ))),
+            };
+        }
+        if !*reported {
+            *reported = true;
+            tracing::info!(task = %self.task, "replayed up to the published output");
+            let _closed = self
+                .links
+                .coordinator
+                .send(CoordinatorInput::SourceAtBound { task: self.task });
+        }
+        if let Some(checkpoint) = self.queued_barriers.pop_front() {
+            at.get_or_insert(checkpoint);
+            self.machine.handle_source_barrier(self.now(), checkpoint);
+            return self.apply_actions();
+        }
+        self.idle(Duration::from_millis(5))
     }
 
     /// Waits for control traffic, an export result or a timeout.
@@ -444,6 +514,10 @@ impl TaskDriver {
                 self.emit(out)
             }
             Role::Sink(sink) => {
+                if let ReplayRole::Sink { dropped } = &mut self.replay {
+                    *dropped += records.len() as u64;
+                    return Ok(());
+                }
                 for record in records {
                     sink.write(record)?;
                 }
@@ -508,6 +582,12 @@ impl TaskDriver {
                     if let Role::Sink(sink) = &mut self.role {
                         sink.commit(checkpoint)?;
                     }
+                    if let ReplayRole::Source { at: Some(at), .. } = self.replay
+                        && checkpoint >= at
+                    {
+                        tracing::info!(task = %self.task, %checkpoint, "the checkpoint at the end of the published output completed; reading on");
+                        self.replay = ReplayRole::None;
+                    }
                     self.drop_snapshots_before(checkpoint);
                 }
                 TaskAction::Discard { checkpoint } => {
@@ -536,6 +616,12 @@ impl TaskDriver {
             .map_or(0, |since| micros(since.elapsed()));
         let mut source_offset = None;
         let mut persist = None;
+        if let ReplayRole::Sink { dropped } = self.replay {
+            // Every record before the first barrier was published already (and
+            // dropped): the transactions from here on are new output.
+            tracing::info!(task = %self.task, %checkpoint, dropped, "dropped the replayed output, published already");
+            self.replay = ReplayRole::None;
+        }
         match &mut self.role {
             Role::Source(source) => source_offset = Some(source.offset()),
             Role::Sink(sink) => match sink.pre_commit(checkpoint) {

@@ -75,7 +75,7 @@ pub enum EngineError {
     /// checkpoints are damaged, uncommitted or gone): a restart from it would publish
     /// those records again.
     #[error(
-        "restoring {restored} would publish again what sink stage {stage:?} already published: {published}; the store no longer has a checkpoint that covers it (see `stillpoint checkpoints verify`). Repair or restore the store, or accept the duplicates with --allow-duplicates ([job] allow_duplicates = true)"
+        "restoring {restored} would publish again what sink stage {stage:?} already published: {published}; the store no longer has a checkpoint that covers it (see `stillpoint checkpoints verify`) and it cannot be replayed exactly: {why}. Repair or restore the store, or accept the duplicates with --allow-duplicates ([job] allow_duplicates = true)"
     )]
     WouldRepublish {
         /// The restore point, as words (`checkpoint 3`, `from scratch`).
@@ -84,6 +84,8 @@ pub enum EngineError {
         stage: String,
         /// What it published after the restore point (checkpoints and records).
         published: String,
+        /// Why no exact replay is possible.
+        why: String,
     },
     /// Too many consecutive checkpoints failed.
     #[error("the job failed: {0}")]

@@ -358,6 +358,28 @@ pub struct JobReport {
     pub fell_back_from: Vec<FallBack>,
     /// Checkpoints completed during the run.
     pub checkpoints: Vec<CheckpointStats>,
+    /// The sinks had published output after the restored checkpoint (a fallback past
+    /// a damaged one): the run replayed exactly up to its end and dropped that
+    /// output instead of publishing it again.
+    pub replayed: Option<Replayed>,
+}
+
+/// An exact replay up to the end of output published after the restore point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    /// The newest checkpoint whose output was published.
+    pub through: CheckpointId,
+    /// The published records the replay reproduced and dropped.
+    pub records: u64,
+}
+
+impl From<&crate::dataflow::Replay> for Replayed {
+    fn from(replay: &crate::dataflow::Replay) -> Self {
+        Self {
+            through: replay.through,
+            records: replay.records,
+        }
+    }
 }
 
 const NODE: NodeId = NodeId(1);
@@ -418,15 +440,18 @@ pub fn run(
         |manifest| snapshots_needed(manifest, &topology, &topology.all(), groups),
     ))?;
     report.restored_from = restore.as_ref().map(|r| r.manifest.checkpoint);
-    flow.check_republication(
+    let plan = flow.plan_restore(
         report.restored_from,
         !report.fell_back_from.is_empty(),
         config.allow_duplicates,
+        &topology.sources,
     )?;
+    report.replayed = plan.replay.as_ref().map(Replayed::from);
     if let Some(tell) = options.on_start.take() {
         tell(&report);
     }
-    let highest_seen = highest_checkpoint(&runtime, &store)?;
+    let highest_seen =
+        highest_checkpoint(&runtime, &store)?.max(plan.newest_published.unwrap_or(CheckpointId(0)));
 
     let signals = Arc::new(Signals::default());
     let epoch = Instant::now();
@@ -481,6 +506,7 @@ pub fn run(
         node: NODE,
         metrics: &metrics,
         restore: restore.as_ref(),
+        replay: plan.replay.as_ref(),
     };
     let mut spawned = Vec::new();
     for task in topology.all() {
@@ -529,9 +555,10 @@ pub fn run(
             signals: Arc::clone(&signals),
             epoch,
             config,
+            flow: &flow,
             sources: topology.sources.clone(),
             stages: topology.parallelisms(),
-            seen: Seen::default(),
+            seen: Seen::replaying(plan.replay.as_ref()),
             backoff: gc_backoff(),
             report: &mut report,
             metrics: Arc::clone(&metrics),

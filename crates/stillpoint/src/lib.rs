@@ -56,8 +56,8 @@ pub use dataflow::{
 };
 pub use error::EngineError;
 pub use job::{
-    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, RunOptions, StartCallback,
-    StopHandle, WordCount, WordInput, checkpoint_history, run, run_word_count,
+    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, Replayed, RunOptions,
+    StartCallback, StopHandle, WordCount, WordInput, checkpoint_history, run, run_word_count,
 };
 pub use metrics::Metrics;
 pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};

@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
-use stillpoint_wire::{FrameDecoder, Message, encode_to_bytes};
+use stillpoint_wire::{FrameDecoder, Message, SourcePosition, encode_to_bytes};
 
 use crate::EngineError;
 use crate::build::ControlMap;
@@ -42,6 +42,11 @@ pub enum EngineMessage {
         generation: u64,
         /// The checkpoint to restore.
         checkpoint: Option<u64>,
+        /// A replay up to the end of output the sinks published after `checkpoint`
+        /// (a fallback past a damaged one): where each source task stops until a
+        /// checkpoint taken there completes; the sinks drop what comes before it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        replay: Option<Vec<SourcePosition>>,
     },
     /// Node → coordinator: every task of the generation runs and its edges are up.
     Ready {
@@ -67,6 +72,13 @@ pub enum EngineMessage {
         task: u32,
         /// Its final offset.
         offset: Vec<u8>,
+    },
+    /// Node → coordinator: a replaying source reached its bound.
+    SourceAtBound {
+        /// The generation.
+        generation: u64,
+        /// The source task.
+        task: u32,
     },
     /// Node → coordinator: a task failed.
     TaskFailed {

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use stillpoint_state::{CachedState, KeyedState};
-use stillpoint_wire::{CheckpointId, SourceOffset, TaskId};
+use stillpoint_wire::{CheckpointId, SourceOffset, SourcePosition, TaskId};
 
 use crate::{EngineError, Record};
 
@@ -28,6 +28,35 @@ pub trait Source: Send {
     fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError>;
     /// The offset just after the last record returned: where a restore resumes.
     fn offset(&self) -> SourceOffset;
+
+    /// Whether [`Source::poll_until`] can stop this source exactly at an offset it
+    /// reported. The engine needs it to replay exactly up to where output a sink
+    /// already published ends (after a fallback past a damaged checkpoint); without
+    /// it such a restore is refused unless duplicates are allowed. Default: `false`.
+    fn stops_at_offsets(&self) -> bool {
+        false
+    }
+
+    /// Like [`Source::poll`], but never past `bound` — an offset this source reported
+    /// (one recorded with published output). Once [`Source::offset`] equals `bound`
+    /// it appends nothing. Only called when [`Source::stops_at_offsets`] says so; the
+    /// default polls without a bound.
+    fn poll_until(
+        &mut self,
+        max: usize,
+        bound: &SourceOffset,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
+        let _ = bound;
+        self.poll(max, out)
+    }
+}
+
+/// The position a source that counts records or bytes reports as its offset.
+pub(crate) fn position_of(offset: &SourceOffset, what: &str) -> Result<u64, EngineError> {
+    offset
+        .as_u64()
+        .ok_or_else(|| EngineError::Invalid(format!("{what}'s offset is a position")))
 }
 
 /// A keyed operator: each record is processed with the task's keyed state (whose key
@@ -113,9 +142,7 @@ impl Source for GeneratedWords {
     fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError> {
         self.position = match offset {
             None => 0,
-            Some(offset) => offset.as_u64().ok_or_else(|| {
-                EngineError::Invalid("a generated source's offset is a position".to_owned())
-            })?,
+            Some(offset) => position_of(offset, "a generated source")?,
         };
         if self.position > self.total {
             return Err(EngineError::Invalid(format!(
@@ -127,19 +154,49 @@ impl Source for GeneratedWords {
     }
 
     fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
-        if self.position >= self.total {
-            return Ok(SourcePoll::Finished);
-        }
-        let end = self.total.min(self.position + max as u64);
-        for position in self.position..end {
-            out.push(Record::new(self.word(position), bytes::Bytes::new()));
-        }
-        self.position = end;
-        Ok(SourcePoll::Records)
+        Ok(self.generate(self.total, max, out))
     }
 
     fn offset(&self) -> SourceOffset {
         SourceOffset::from_u64(self.position)
+    }
+
+    fn stops_at_offsets(&self) -> bool {
+        true
+    }
+
+    fn poll_until(
+        &mut self,
+        max: usize,
+        bound: &SourceOffset,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
+        let bound = position_of(bound, "a generated source")?;
+        if bound > self.total || bound < self.position {
+            return Err(EngineError::Invalid(format!(
+                "a generated source of {} records at {} cannot stop at {bound}",
+                self.total, self.position
+            )));
+        }
+        Ok(self.generate(bound, max, out))
+    }
+}
+
+impl GeneratedWords {
+    /// Appends the words from the position up to `end` (at most `max` of them).
+    fn generate(&mut self, end: u64, max: usize, out: &mut Vec<Record>) -> SourcePoll {
+        if self.position >= self.total {
+            return SourcePoll::Finished;
+        }
+        let end = end.min(self.position.saturating_add(max as u64));
+        if self.position >= end {
+            return SourcePoll::Idle;
+        }
+        for position in self.position..end {
+            out.push(Record::new(self.word(position), bytes::Bytes::new()));
+        }
+        self.position = end;
+        SourcePoll::Records
     }
 }
 
@@ -202,27 +259,170 @@ impl crate::SinkFactory for FileSinkFactory {
         recover_transactions(&self.dir, restored)
     }
 
-    /// The published transactions (`committed/`) of checkpoints after `restored`, and
-    /// their lines.
+    /// Records the commit in `DIR/commits/` ([`write_commit_record`]).
+    fn record_commit(
+        &self,
+        checkpoint: CheckpointId,
+        sources: &[SourcePosition],
+    ) -> Result<(), EngineError> {
+        write_commit_record(&self.dir, checkpoint, sources)
+    }
+
+    /// The transactions of checkpoints after `restored` that are published
+    /// (`committed/`) or will be on recovery (pending, but the newest commit record
+    /// covers them), their lines, and the offsets of that record when it covers
+    /// every one of them.
     fn published_after(
         &self,
         restored: Option<CheckpointId>,
     ) -> Result<Option<crate::Published>, EngineError> {
+        let newest = newest_commit_record(&self.dir)?;
+        let settled = settled_through(restored, newest.as_ref());
+        let after = |id: CheckpointId| restored.is_none_or(|r| id > r);
         let mut published = crate::Published::default();
-        for (file, path) in list_transactions(&self.dir.join("committed"))? {
+        let pending = list_pending(&self.dir)?
+            .into_iter()
+            .filter(|(file, _)| {
+                matches!(file, PendingFile::Transaction(id, _) if settled.is_some_and(|s| *id <= s))
+            });
+        for (file, path) in list_transactions(&self.dir.join("committed"))?
+            .into_iter()
+            .chain(pending)
+        {
             let PendingFile::Transaction(id, _) = file else {
                 continue;
             };
-            if restored.is_some_and(|r| id <= r) {
-                continue;
+            if after(id) {
+                published.checkpoints.push(id);
+                published.records += count_lines(&path)?;
             }
-            published.checkpoints.push(id);
-            published.records += count_lines(&path)?;
         }
         published.checkpoints.sort_unstable();
         published.checkpoints.dedup();
+        published.covers = newest
+            .filter(|record| {
+                published
+                    .checkpoints
+                    .last()
+                    .is_some_and(|last| *last <= record.checkpoint)
+                    && after(record.checkpoint)
+            })
+            .map(|record| record.sources);
         Ok(Some(published))
     }
+}
+
+/// A sink directory's record that a checkpoint committed, with the source offsets it
+/// covers: `DIR/commits/<checkpoint:020>.json`, written durably before any task of
+/// the stage is told to publish the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommitRecord {
+    checkpoint: CheckpointId,
+    sources: Vec<SourcePosition>,
+}
+
+/// The directory of a sink directory's commit records.
+const COMMITS: &str = "commits";
+/// Commit records kept: recovery reads only the newest.
+const KEEP_COMMIT_RECORDS: usize = 4;
+/// The largest commit record read (one offset per source task).
+const MAX_COMMIT_RECORD_BYTES: u64 = 1 << 20;
+
+/// The commit records under `dir`, oldest first.
+fn commit_records(dir: &Path) -> Result<Vec<(CheckpointId, PathBuf)>, EngineError> {
+    let commits = dir.join(COMMITS);
+    let entries = match std::fs::read_dir(&commits) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(EngineError::io("list", &commits, &e)),
+    };
+    let mut records = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| EngineError::io("list", &commits, &e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(id) = name.strip_suffix(".json").and_then(|id| id.parse().ok()) {
+            records.push((CheckpointId(id), entry.path()));
+        }
+    }
+    records.sort();
+    Ok(records)
+}
+
+/// The newest commit record under `dir`; a damaged one is an error naming the file
+/// (it cannot be told apart from a record of an older commit).
+fn newest_commit_record(dir: &Path) -> Result<Option<CommitRecord>, EngineError> {
+    use std::io::Read;
+    let Some((id, path)) = commit_records(dir)?.pop() else {
+        return Ok(None);
+    };
+    let mut text = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|file| {
+            file.take(MAX_COMMIT_RECORD_BYTES + 1)
+                .read_to_end(&mut text)
+        })
+        .map_err(|e| EngineError::io("read", &path, &e))?;
+    let damaged = |why: String| {
+        EngineError::Invalid(format!("{}: not a commit record: {why}", path.display()))
+    };
+    if text.len() as u64 > MAX_COMMIT_RECORD_BYTES {
+        return Err(damaged(format!(
+            "longer than {MAX_COMMIT_RECORD_BYTES} bytes"
+        )));
+    }
+    let record: CommitRecord = serde_json::from_slice(&text).map_err(|e| damaged(e.to_string()))?;
+    if record.checkpoint != id {
+        return Err(damaged(format!(
+            "it names checkpoint {}",
+            record.checkpoint.get()
+        )));
+    }
+    Ok(Some(record))
+}
+
+/// Writes `dir`'s commit record of `checkpoint` durably (synced, renamed into place,
+/// directory synced) and drops all but the newest few.
+pub(crate) fn write_commit_record(
+    dir: &Path,
+    checkpoint: CheckpointId,
+    sources: &[SourcePosition],
+) -> Result<(), EngineError> {
+    use std::io::Write;
+    let commits = dir.join(COMMITS);
+    std::fs::create_dir_all(&commits).map_err(|e| EngineError::io("create", &commits, &e))?;
+    let name = format!("{:020}.json", checkpoint.get());
+    let staging = commits.join(format!(".{name}.tmp"));
+    let record = CommitRecord {
+        checkpoint,
+        sources: sources.to_vec(),
+    };
+    let bytes = serde_json::to_vec(&record)
+        .map_err(|e| EngineError::Invalid(format!("a commit record: {e}")))?;
+    let mut file =
+        std::fs::File::create(&staging).map_err(|e| EngineError::io("create", &staging, &e))?;
+    file.write_all(&bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| EngineError::io("write", &staging, &e))?;
+    let target = commits.join(&name);
+    std::fs::rename(&staging, &target).map_err(|e| EngineError::io("rename", &staging, &e))?;
+    sync_dir(&commits)?;
+    let records = commit_records(dir)?;
+    let old = records.len().saturating_sub(KEEP_COMMIT_RECORDS);
+    for (_, path) in records.into_iter().take(old) {
+        remove_if_present(&path)?;
+    }
+    Ok(())
+}
+
+/// The newest checkpoint whose transactions are committed: `restored`, or the newest
+/// commit record when newer (a fallback restores an older checkpoint, but what the
+/// sinks were told to publish stays published).
+fn settled_through(
+    restored: Option<CheckpointId>,
+    newest: Option<&CommitRecord>,
+) -> Option<CheckpointId> {
+    restored.max(newest.map(|record| record.checkpoint))
 }
 
 /// The lines of a published transaction, read in blocks.
@@ -409,9 +609,11 @@ impl Sink for TransactionalFileSink {
     }
 
     /// One pass over `pending/`: this task's interrupted pre-commits are removed, its
-    /// transactions up to `restored` published and later ones rolled back.
+    /// transactions up to `restored` — or up to the newest commit record, when newer —
+    /// published and later ones rolled back.
     fn recover(&mut self, restored: Option<CheckpointId>) -> Result<(), EngineError> {
         self.open.clear();
+        let restored = settled_through(restored, newest_commit_record(&self.dir)?.as_ref());
         let mut due = Vec::new();
         for (file, path) in list_pending(&self.dir)? {
             match file {
@@ -432,13 +634,16 @@ impl Sink for TransactionalFileSink {
 }
 
 /// After a restore that changed the sinks (a rescale): publishes every task's
-/// pre-committed transactions up to `restored` and rolls back every later one,
-/// whichever task wrote them, and removes every interrupted pre-commit's staging file.
+/// pre-committed transactions up to `restored` (or up to the newest commit record,
+/// when newer) and rolls back every later one, whichever task wrote them, and
+/// removes every interrupted pre-commit's staging file.
 pub fn recover_transactions(dir: &Path, restored: CheckpointId) -> Result<(), EngineError> {
     let files = list_pending(dir)?;
     if files.is_empty() {
         return Ok(());
     }
+    let restored =
+        settled_through(Some(restored), newest_commit_record(dir)?.as_ref()).unwrap_or(restored);
     let committed = dir.join("committed");
     std::fs::create_dir_all(&committed).map_err(|e| EngineError::io("create", &committed, &e))?;
     for (file, path) in files {
@@ -560,5 +765,146 @@ mod tests {
             read_committed(dir.path()).unwrap(),
             [("kept".to_owned(), "1".to_owned())]
         );
+    }
+
+    #[test]
+    fn a_generated_source_stops_exactly_at_a_recorded_offset() {
+        let mut source = GeneratedWords::new(1, 0, 10, 5);
+        assert!(source.stops_at_offsets());
+        let bound = SourceOffset::from_u64(7);
+        let mut out = Vec::new();
+        while source.offset() != bound {
+            assert_eq!(
+                source.poll_until(3, &bound, &mut out).unwrap(),
+                SourcePoll::Records
+            );
+        }
+        assert_eq!(out.len(), 7);
+        assert_eq!(
+            source.poll_until(3, &bound, &mut out).unwrap(),
+            SourcePoll::Idle
+        );
+        for past in [11, 6] {
+            let error = source
+                .poll_until(3, &SourceOffset::from_u64(past), &mut out)
+                .unwrap_err();
+            assert!(
+                error
+                    .to_string()
+                    .contains(&format!("at 7 cannot stop at {past}")),
+                "{error}"
+            );
+        }
+    }
+
+    fn positions(offsets: &[u64]) -> Vec<SourcePosition> {
+        offsets
+            .iter()
+            .enumerate()
+            .map(|(i, o)| SourcePosition {
+                task: TaskId(u32::try_from(i).unwrap() + 1),
+                offset: SourceOffset::from_u64(*o),
+            })
+            .collect()
+    }
+
+    /// What the commit records change: a recovering sink publishes what the newest
+    /// record covers even when an older checkpoint is restored, `published_after`
+    /// counts it and hands out the record's offsets, and only the newest few are kept.
+    #[test]
+    fn commit_records_settle_what_was_told_to_publish_and_give_its_offsets() {
+        use crate::SinkFactory;
+        let dir = tempfile::tempdir().unwrap();
+        let factory = TransactionalFileSink::factory(dir.path());
+        pre_committed(dir.path(), 1, 1, "one");
+        pre_committed(dir.path(), 1, 2, "two");
+        pre_committed(dir.path(), 1, 3, "three");
+        factory
+            .record_commit(CheckpointId(1), &positions(&[10]))
+            .unwrap();
+        factory
+            .record_commit(CheckpointId(2), &positions(&[20]))
+            .unwrap();
+        let mut sink = TransactionalFileSink::new(dir.path(), TaskId(1));
+        sink.commit(CheckpointId(1)).unwrap();
+        // Checkpoint 2 is recorded (its commit was told), its transaction not yet
+        // published; 3 was never committed. A fallback to 1:
+        let published = factory
+            .published_after(Some(CheckpointId(1)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(published.checkpoints, [CheckpointId(2)]);
+        assert_eq!(published.records, 1);
+        assert_eq!(published.covers, Some(positions(&[20])));
+        sink.recover(Some(CheckpointId(1))).unwrap();
+        assert_eq!(
+            read_committed(dir.path()).unwrap(),
+            [
+                ("one".to_owned(), "1".to_owned()),
+                ("two".to_owned(), "1".to_owned())
+            ]
+        );
+        assert!(
+            names(&dir.path().join("pending")).is_empty(),
+            "3 rolled back"
+        );
+        // From scratch (a store lost): both published, covered by the newest record.
+        let all = factory.published_after(None).unwrap().unwrap();
+        assert_eq!(all.checkpoints, [CheckpointId(1), CheckpointId(2)]);
+        assert_eq!(all.covers, Some(positions(&[20])));
+        // Restored at the newest record: nothing to replay.
+        let none = factory
+            .published_after(Some(CheckpointId(2)))
+            .unwrap()
+            .unwrap();
+        assert!(
+            none.checkpoints.is_empty() && none.covers.is_none(),
+            "{none:?}"
+        );
+        for id in 3..10 {
+            factory
+                .record_commit(CheckpointId(id), &positions(&[id * 10]))
+                .unwrap();
+        }
+        assert_eq!(
+            names(&dir.path().join(COMMITS)),
+            (6..10)
+                .map(|id| format!("{id:020}.json"))
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn a_damaged_commit_record_is_an_error_naming_it() {
+        use crate::SinkFactory;
+        let dir = tempfile::tempdir().unwrap();
+        let factory = TransactionalFileSink::factory(dir.path());
+        factory
+            .record_commit(CheckpointId(4), &positions(&[1, 2]))
+            .unwrap();
+        let record = dir.path().join(COMMITS).join(format!("{:020}.json", 4));
+        for (bytes, why) in [
+            (
+                b"{\"checkpoint\":5,\"sources\":[]}".to_vec(),
+                "it names checkpoint 5",
+            ),
+            (b"{\"checkpoint\":4".to_vec(), "not a commit record"),
+            (
+                vec![b' '; usize::try_from(MAX_COMMIT_RECORD_BYTES + 1).unwrap()],
+                "longer than",
+            ),
+        ] {
+            std::fs::write(&record, bytes).unwrap();
+            let error = factory.published_after(None).unwrap_err().to_string();
+            assert!(
+                error.contains(why) && error.contains("00000000000000000004.json"),
+                "{error}"
+            );
+            let error = TransactionalFileSink::new(dir.path(), TaskId(1))
+                .recover(None)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(why), "{error}");
+        }
     }
 }

@@ -19,29 +19,47 @@ use crate::{EngineError, Record, Source, SourcePoll};
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
 /// Reads whole lines from `reader`, appending each line's words to `out`, until `max`
-/// records were appended or no complete line is left. Returns the bytes consumed and
-/// whether it stopped at the end of the input. A final line without a newline counts
-/// only when `take_unterminated` (the input will not grow).
+/// records were appended, `limit` bytes were consumed or no complete line is left.
+/// Returns the bytes consumed and whether it stopped at the end of the input. A final
+/// line without a newline counts only when `take_unterminated` (the input will not
+/// grow). A limit is a line boundary the source reported; a line across it means the
+/// input changed since, an error.
 fn read_lines(
     reader: &mut impl BufRead,
     path: &Path,
     start: u64,
-    max: usize,
+    (max, limit): (usize, u64),
     take_unterminated: bool,
     out: &mut Vec<Record>,
 ) -> Result<(u64, bool), EngineError> {
     let mut consumed = 0u64;
     let mut line = Vec::new();
     let before = out.len();
-    while out.len() - before < max {
+    while out.len() - before < max && consumed < limit {
         line.clear();
-        let read = std::io::Read::take(&mut *reader, MAX_LINE_BYTES as u64 + 1)
+        let allowed = (MAX_LINE_BYTES as u64 + 1).min(limit - consumed);
+        let read = std::io::Read::take(&mut *reader, allowed)
             .read_until(b'\n', &mut line)
             .map_err(|e| EngineError::io("read", path, &e))?;
         if read == 0 {
             return Ok((consumed, true));
         }
         let terminated = line.last() == Some(&b'\n');
+        if !terminated
+            && read as u64 == limit - consumed
+            && !(take_unterminated
+                && reader
+                    .fill_buf()
+                    .map_err(|e| EngineError::io("read", path, &e))?
+                    .is_empty())
+        {
+            return Err(EngineError::Invalid(format!(
+                "{}: the line at byte {} runs past the recorded offset {}: the input changed after its output was published",
+                path.display(),
+                start + consumed,
+                start + limit
+            )));
+        }
         if !terminated {
             if line.len() > MAX_LINE_BYTES {
                 return Err(EngineError::Invalid(format!(
@@ -118,12 +136,50 @@ impl Source for FileLines {
     }
 
     fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
+        self.read(max, u64::MAX, out)
+    }
+
+    fn offset(&self) -> SourceOffset {
+        SourceOffset::from_u64(self.position)
+    }
+
+    fn stops_at_offsets(&self) -> bool {
+        true
+    }
+
+    fn poll_until(
+        &mut self,
+        max: usize,
+        bound: &SourceOffset,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
+        let bound = crate::pipeline::position_of(bound, "a file source")?;
+        match bound.checked_sub(self.position) {
+            Some(0) => Ok(SourcePoll::Idle),
+            Some(limit) => self.read(max, limit, out),
+            None => Err(EngineError::Invalid(format!(
+                "{}: already past the recorded offset {bound}",
+                self.path.display()
+            ))),
+        }
+    }
+}
+
+impl FileLines {
+    /// Reads at most `max` records and `limit` bytes.
+    fn read(
+        &mut self,
+        max: usize,
+        limit: u64,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
         let reader = match &mut self.reader {
             Some(reader) => reader,
             None => self.reader.insert(open_at(&self.path, self.position)?),
         };
         let before = out.len();
-        let (consumed, at_end) = read_lines(reader, &self.path, self.position, max, true, out)?;
+        let (consumed, at_end) =
+            read_lines(reader, &self.path, self.position, (max, limit), true, out)?;
         self.position += consumed;
         if out.len() > before {
             Ok(SourcePoll::Records)
@@ -133,10 +189,6 @@ impl Source for FileLines {
             // Empty lines only: progress was made, poll again.
             Ok(SourcePoll::Idle)
         }
-    }
-
-    fn offset(&self) -> SourceOffset {
-        SourceOffset::from_u64(self.position)
     }
 }
 
@@ -191,14 +243,9 @@ impl LogDir {
     }
 }
 
-impl Source for LogDir {
-    fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError> {
-        self.reader = None;
-        let Some(offset) = offset else {
-            self.segment = None;
-            self.position = 0;
-            return Ok(());
-        };
+impl LogDir {
+    /// The segment name (empty: before the first) and position of a log offset.
+    fn parse_offset(&self, offset: &SourceOffset) -> Result<(String, u64), EngineError> {
         let bytes = offset.as_bytes();
         let invalid = || {
             EngineError::Invalid(format!(
@@ -210,24 +257,16 @@ impl Source for LogDir {
         let (name, position) = bytes.split_at(split);
         let name = std::str::from_utf8(name).map_err(|_| invalid())?.to_owned();
         let position = u64::from_be_bytes(position.try_into().map_err(|_| invalid())?);
-        if !name.is_empty() {
-            let path = self.dir.join(&name);
-            let length = std::fs::metadata(&path)
-                .map_err(|e| EngineError::io("stat", &path, &e))?
-                .len();
-            if position > length {
-                return Err(EngineError::Invalid(format!(
-                    "{}: offset {position} is past the end of the segment ({length} bytes): logs are append-only",
-                    path.display()
-                )));
-            }
-        }
-        self.segment = (!name.is_empty()).then_some(name);
-        self.position = position;
-        Ok(())
+        Ok((name, position))
     }
 
-    fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
+    /// Reads at most `max` records, and at most `limit` bytes of the current segment.
+    fn read(
+        &mut self,
+        max: usize,
+        limit: u64,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
         if self.segment.is_none() {
             match self.next_segment()? {
                 Some(first) => self.segment = Some(first),
@@ -243,7 +282,8 @@ impl Source for LogDir {
             None => self.reader.insert(open_at(&path, self.position)?),
         };
         let before = out.len();
-        let (consumed, at_end) = read_lines(reader, &path, self.position, max, false, out)?;
+        let (consumed, at_end) =
+            read_lines(reader, &path, self.position, (max, limit), false, out)?;
         self.position += consumed;
         if out.len() > before {
             return Ok(SourcePoll::Records);
@@ -264,6 +304,37 @@ impl Source for LogDir {
         }
         Ok(SourcePoll::Idle)
     }
+}
+
+impl Source for LogDir {
+    fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError> {
+        self.reader = None;
+        let Some(offset) = offset else {
+            self.segment = None;
+            self.position = 0;
+            return Ok(());
+        };
+        let (name, position) = self.parse_offset(offset)?;
+        if !name.is_empty() {
+            let path = self.dir.join(&name);
+            let length = std::fs::metadata(&path)
+                .map_err(|e| EngineError::io("stat", &path, &e))?
+                .len();
+            if position > length {
+                return Err(EngineError::Invalid(format!(
+                    "{}: offset {position} is past the end of the segment ({length} bytes): logs are append-only",
+                    path.display()
+                )));
+            }
+        }
+        self.segment = (!name.is_empty()).then_some(name);
+        self.position = position;
+        Ok(())
+    }
+
+    fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
+        self.read(max, u64::MAX, out)
+    }
 
     fn offset(&self) -> SourceOffset {
         let mut bytes = self.segment.clone().unwrap_or_default().into_bytes();
@@ -271,6 +342,44 @@ impl Source for LogDir {
         // Segment names come from the directory listing; one longer than an offset may
         // be falls back to the start of the log, which only replays (never loses).
         SourceOffset::new(bytes).unwrap_or_else(|_| SourceOffset::from_u64(0))
+    }
+
+    fn stops_at_offsets(&self) -> bool {
+        true
+    }
+
+    fn poll_until(
+        &mut self,
+        max: usize,
+        bound: &SourceOffset,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
+        let (segment, position) = self.parse_offset(bound)?;
+        if self.segment.is_none() && !segment.is_empty() {
+            // Not started: the first segment may be the bound's own.
+            match self.next_segment()? {
+                Some(first) => self.segment = Some(first),
+                None => return Ok(SourcePoll::Idle),
+            }
+        }
+        let current = self.segment.as_deref().unwrap_or_default();
+        let past = || {
+            EngineError::Invalid(format!(
+                "{}: already past the recorded offset ({segment:?} at byte {position})",
+                self.dir.display()
+            ))
+        };
+        match current.cmp(segment.as_str()) {
+            // Segments before the bound's are read whole (a roll-over reaches at most
+            // the bound's segment, the next one by name).
+            std::cmp::Ordering::Less => self.read(max, u64::MAX, out),
+            std::cmp::Ordering::Equal => match position.checked_sub(self.position) {
+                Some(0) => Ok(SourcePoll::Idle),
+                Some(limit) => self.read(max, limit, out),
+                None => Err(past()),
+            },
+            std::cmp::Ordering::Greater => Err(past()),
+        }
     }
 }
 
@@ -355,5 +464,95 @@ mod tests {
         std::fs::write(&first, "").unwrap();
         let error = LogDir::new(dir.path()).seek(Some(&offset)).unwrap_err();
         assert!(error.to_string().contains("append-only"), "{error}");
+    }
+
+    /// Polls `source` up to `bound` (at most `max` records a poll) until its offset is
+    /// the bound; the records read.
+    fn replay_to(source: &mut dyn Source, bound: &SourceOffset, max: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        for _ in 0..1000 {
+            if source.offset() == *bound {
+                return words(&out);
+            }
+            source.poll_until(max, bound, &mut out).unwrap();
+        }
+        panic!("never reached {bound:?}: {:?}", words(&out));
+    }
+
+    #[test]
+    fn a_file_source_stops_exactly_at_a_recorded_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("in.txt");
+        std::fs::write(&path, "a b\n\nc\nd e f\ng h").unwrap();
+        let mut source = FileLines::new(&path);
+        assert!(source.stops_at_offsets());
+        // Offsets reported along a first read, and the records before each.
+        let mut seen = Vec::new();
+        let mut points = vec![(source.offset(), Vec::new())];
+        while source.poll(1, &mut seen).unwrap() != SourcePoll::Finished {
+            points.push((source.offset(), words(&seen)));
+        }
+        for (bound, before) in &points {
+            for max in [1, 2, 100] {
+                let mut again = FileLines::new(&path);
+                again.seek(None).unwrap();
+                assert_eq!(
+                    replay_to(&mut again, bound, max),
+                    *before,
+                    "{bound:?} by {max}"
+                );
+                // Once there it reads nothing more.
+                let mut more = Vec::new();
+                again.poll_until(max, bound, &mut more).unwrap();
+                assert!(more.is_empty(), "{bound:?}");
+            }
+        }
+        // An input rewritten since: a line now runs across the recorded offset.
+        let bound = points[1].0.clone();
+        std::fs::write(&path, "ab c\n").unwrap();
+        let mut changed = FileLines::new(&path);
+        changed.seek(None).unwrap();
+        let error = changed.poll_until(10, &bound, &mut Vec::new()).unwrap_err();
+        assert!(
+            error.to_string().contains("runs past the recorded offset"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_log_source_stops_exactly_at_a_recorded_offset_in_a_later_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("0001.log"), "a b\nc\n").unwrap();
+        std::fs::write(dir.path().join("0002.log"), "d\ne f\n").unwrap();
+        std::fs::write(dir.path().join("0003.log"), "g\n").unwrap();
+        let mut source = LogDir::new(dir.path());
+        source.seek(None).unwrap();
+        assert!(source.stops_at_offsets());
+        let mut seen = Vec::new();
+        let mut points = vec![(source.offset(), Vec::new())];
+        for _ in 0..30 {
+            if source.poll(1, &mut seen).unwrap() == SourcePoll::Records {
+                points.push((source.offset(), words(&seen)));
+            }
+        }
+        assert_eq!(words(&seen), ["a", "b", "c", "d", "e", "f", "g"]);
+        for (bound, before) in &points {
+            for max in [1, 3] {
+                let mut again = LogDir::new(dir.path());
+                again.seek(None).unwrap();
+                assert_eq!(
+                    replay_to(&mut again, bound, max),
+                    *before,
+                    "{bound:?} by {max}"
+                );
+            }
+        }
+        // Already past the bound (restored beyond it): refused, never read on.
+        let mut ahead = LogDir::new(dir.path());
+        ahead.seek(Some(&points[5].0)).unwrap();
+        let error = ahead
+            .poll_until(10, &points[2].0, &mut Vec::new())
+            .unwrap_err();
+        assert!(error.to_string().contains("already past"), "{error}");
     }
 }

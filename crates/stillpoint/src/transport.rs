@@ -19,6 +19,8 @@ pub(crate) enum CoordinatorInput {
     Message(Message),
     /// A bounded source reached its end at this offset.
     SourceFinished { task: TaskId, offset: SourceOffset },
+    /// A replaying source reached its bound (the end of published output).
+    SourceAtBound { task: TaskId },
     /// A task stopped with an error.
     TaskFailed { task: TaskId, error: String },
     /// A node connected (cluster mode); `writer` reaches it.
