@@ -456,6 +456,24 @@ impl stillpoint::SinkFactory for Unrecorded {
     }
 }
 
+/// A keyed count documented as non-deterministic.
+struct NonDeterministic(KeyedCount);
+
+impl Operator for NonDeterministic {
+    fn process(
+        &mut self,
+        record: Record,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        self.0.process(record, state, out)
+    }
+
+    fn deterministic(&self) -> bool {
+        false
+    }
+}
+
 /// A generated source that cannot stop at an offset.
 struct Unstoppable(GeneratedWords);
 
@@ -477,14 +495,32 @@ impl Source for Unstoppable {
     }
 }
 
-/// Where a fallback past published output cannot be replayed exactly — the sink
-/// recorded no source offsets, or a source cannot stop at one — the run is refused,
+/// Where a fallback past published output cannot be replayed exactly — an operator
+/// documented as non-deterministic, a sink that recorded no source offsets, a source
+/// that cannot stop at one — the run is refused,
 /// naming the restore point, the checkpoints, the records and why; allowed, it
 /// publishes exactly those records again and loses nothing.
 #[test]
 fn a_fallback_that_cannot_be_replayed_exactly_is_refused_saying_why() {
     type Flow = fn(&Path, u64) -> Dataflow;
-    let cases: [(&str, Flow); 2] = [
+    let cases: [(&str, Flow); 3] = [
+        ("stage \"count\" is not deterministic", |out, words| {
+            Dataflow::source("words", 2, move |index| {
+                Ok(
+                    Box::new(GeneratedWords::new(SEED, index, words, VOCABULARY))
+                        as Box<dyn Source>,
+                )
+            })
+            .operator("count", 2, Partitioning::Hash, |_| {
+                Ok(Box::new(NonDeterministic(KeyedCount)) as Box<dyn Operator>)
+            })
+            .sink(
+                "publish",
+                2,
+                Partitioning::Forward,
+                TransactionalFileSink::factory(out),
+            )
+        }),
         (
             "the sink did not record the source offsets",
             |out, words| {
@@ -506,7 +542,7 @@ fn a_fallback_that_cannot_be_replayed_exactly_is_refused_saying_why() {
             },
         ),
         (
-            "source stage \"words\" cannot stop at an offset",
+            "stage \"words\" cannot stop at an offset",
             |out, words| {
                 Dataflow::source("words", 2, move |index| {
                     Ok(Box::new(Unstoppable(GeneratedWords::new(

@@ -354,16 +354,17 @@ impl Dataflow {
             )));
         }
         for stage in &self.stages {
-            let StageKind::Source(factory) = &stage.kind else {
-                continue;
-            };
             for index in 0..stage.parallelism {
-                if !factory(index)?.stops_at_offsets() {
-                    return Ok(Err(format!(
-                        "source stage {:?} cannot stop at an offset",
-                        stage.name
-                    )));
-                }
+                let why = match &stage.kind {
+                    StageKind::Source(factory) if !factory(index)?.stops_at_offsets() => {
+                        "cannot stop at an offset"
+                    }
+                    StageKind::Operator(factory) if !factory(index)?.deterministic() => {
+                        "is not deterministic"
+                    }
+                    _ => continue,
+                };
+                return Ok(Err(format!("stage {:?} {why}", stage.name)));
             }
         }
         Ok(Ok(Replay {

@@ -72,6 +72,16 @@ pub trait Operator: Send {
         state: &mut CachedState,
         out: &mut Vec<Record>,
     ) -> Result<(), EngineError>;
+
+    /// Whether the operator's output is a function of its keyed state and the
+    /// records of each key, whatever the order in which its inputs interleave (no
+    /// clock, no randomness, no cross-key order). A fallback past published output
+    /// replays that stretch and drops what it reproduces, which is exact only then;
+    /// an operator answering `false` makes such a restore refused unless duplicates
+    /// are allowed. Default: `true`.
+    fn deterministic(&self) -> bool {
+        true
+    }
 }
 
 /// The durable half of a pre-commit, run on the task's export thread: the task never
