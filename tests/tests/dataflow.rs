@@ -541,25 +541,22 @@ fn a_fallback_that_cannot_be_replayed_exactly_is_refused_saying_why() {
                 )
             },
         ),
-        (
-            "stage \"words\" cannot stop at an offset",
-            |out, words| {
-                Dataflow::source("words", 2, move |index| {
-                    Ok(Box::new(Unstoppable(GeneratedWords::new(
-                        SEED, index, words, VOCABULARY,
-                    ))) as Box<dyn Source>)
-                })
-                .operator("count", 2, Partitioning::Hash, |_| {
-                    Ok(Box::new(KeyedCount) as Box<dyn Operator>)
-                })
-                .sink(
-                    "publish",
-                    2,
-                    Partitioning::Forward,
-                    TransactionalFileSink::factory(out),
-                )
-            },
-        ),
+        ("stage \"words\" cannot stop at an offset", |out, words| {
+            Dataflow::source("words", 2, move |index| {
+                Ok(Box::new(Unstoppable(GeneratedWords::new(
+                    SEED, index, words, VOCABULARY,
+                ))) as Box<dyn Source>)
+            })
+            .operator("count", 2, Partitioning::Hash, |_| {
+                Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+            })
+            .sink(
+                "publish",
+                2,
+                Partitioning::Forward,
+                TransactionalFileSink::factory(out),
+            )
+        }),
     ];
     for (why, flow) in cases {
         let dir = tempfile::tempdir().unwrap();

@@ -16,7 +16,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Child;
 
-use support::{expected, free_port, spawn, wait_up_to, write_word_count_job};
+use support::{CLUSTER_SECRET, expected, free_port, spawn, wait_up_to, write_word_count_job};
 
 /// Waits (up to 180 s) for the coordinator to end the job and every node to exit,
 /// all successfully; returns the coordinator's log. On a timeout kills them all. A
@@ -49,7 +49,7 @@ fn finish(coordinator: &mut Child, nodes: &mut [Child], log: &Path, node_logs: &
 fn cluster_table() -> String {
     let (c, n1, n2) = (free_port(), free_port(), free_port());
     format!(
-        "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n"
+        "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\nsecret = \"{CLUSTER_SECRET}\"\n"
     )
 }
 
@@ -342,4 +342,163 @@ fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
     let expected = expected(words, 300);
     assert_eq!(output.len(), expected.len(), "lost or duplicated records");
     assert_eq!(output, expected);
+}
+
+/// A stranger's connection: reads the challenge, sends `hello`, returns the answer
+/// (or `None` when the connection closed without one).
+fn stranger(
+    address: &str,
+    hello: impl FnOnce(String) -> stillpoint::EngineMessage,
+) -> Option<stillpoint::EngineMessage> {
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let decoder = stillpoint_wire::FrameDecoder::default();
+    let Ok(stillpoint::Envelope::Engine(stillpoint::EngineMessage::Challenge { nonce })) =
+        stillpoint::read_envelope(&mut stream, decoder)
+    else {
+        panic!("no challenge from {address}");
+    };
+    let mut bytes = Vec::new();
+    stillpoint::write_envelope(&mut bytes, &stillpoint::Envelope::Engine(hello(nonce))).unwrap();
+    stream.write_all(&bytes).unwrap();
+    match stillpoint::read_envelope(&mut stream, decoder) {
+        Ok(stillpoint::Envelope::Engine(answer)) => Some(answer),
+        _ => None,
+    }
+}
+
+/// Strangers on the network: a hello with a forged proof (to the coordinator), an
+/// edge hello with a forged proof (to a node), a node started with the wrong secret,
+/// connections that never say hello (slow handshakes, more than the handshake cap):
+/// each is refused with a clear log line, and the job — once the real node 2 joins —
+/// publishes exactly the failure-free output.
+#[test]
+fn strangers_and_wrong_secrets_are_refused_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let words = 60_000;
+    let job = dir.path().join("job.toml");
+    let table = cluster_table();
+    write_word_count_job(
+        &job,
+        &dir.path().join("data"),
+        &dir.path().join("out"),
+        words,
+        &table,
+    );
+    let address = |key: &str| -> String {
+        let line = table.lines().find(|l| l.starts_with(key)).unwrap();
+        line.split('"').nth(1).unwrap().to_owned()
+    };
+    let coordinator_address = address("coordinator");
+    let node1_address = address("nodes");
+    let wrong = dir.path().join("wrong.toml");
+    std::fs::write(
+        &wrong,
+        std::fs::read_to_string(&job)
+            .unwrap()
+            .replace(CLUSTER_SECRET, "not the secret of this cluster"),
+    )
+    .unwrap();
+    let logs = dir.path();
+    let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
+    let node1 = spawn(&["node", "--node", "1"], &job, &logs.join("node1.log"));
+    let wait_for = |log: &Path, text: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let content = std::fs::read_to_string(log).unwrap_or_default();
+            if content.contains(text) {
+                return content;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {text:?} in {}:\n{content}",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for(&logs.join("node1.log"), "connected");
+
+    // A node with the wrong secret: refused by the coordinator, and it says why.
+    let mut impostor = spawn(&["node", "--node", "2"], &wrong, &logs.join("impostor.log"));
+    let status = wait_up_to(&mut impostor, Duration::from_secs(30)).expect("the impostor exits");
+    assert!(!status.success());
+    let said = std::fs::read_to_string(logs.join("impostor.log")).unwrap();
+    assert!(
+        said.contains("the coordinator refused node 2")
+            && said.contains("does not know the cluster secret")
+            && said.contains("is the cluster secret the same"),
+        "{said}"
+    );
+    assert!(
+        !said.contains(CLUSTER_SECRET) && !said.contains("not the secret of this cluster"),
+        "{said}"
+    );
+
+    // A forged hello claiming to be node 2, and one claiming a node the cluster has not.
+    let forged = |node: u32| {
+        stranger(&coordinator_address, move |_| {
+            stillpoint::EngineMessage::Hello {
+                node,
+                nonce: "00".repeat(32),
+                proof: "11".repeat(32),
+            }
+        })
+    };
+    for node in [2, 9] {
+        let answer = forged(node);
+        assert!(
+            matches!(&answer, Some(stillpoint::EngineMessage::Refused { .. })),
+            "{answer:?}"
+        );
+    }
+    // A forged edge hello to node 1 (as if for task 2 → task 3 of generation 1).
+    let answer = stranger(&node1_address, |_| stillpoint::EngineMessage::EdgeHello {
+        generation: 1,
+        upstream: 2,
+        downstream: 3,
+        nonce: "00".repeat(32),
+        proof: "22".repeat(32),
+    });
+    assert!(
+        matches!(&answer, Some(stillpoint::EngineMessage::Refused { .. })),
+        "{answer:?}"
+    );
+    // Connections that never say hello: more than the handshake cap at once.
+    let idle: Vec<_> = (0..20)
+        .map(|_| std::net::TcpStream::connect(&coordinator_address).unwrap())
+        .collect();
+    let log = wait_for(&logs.join("coordinator.log"), "no hello within");
+    assert!(log.contains("handshakes are in progress"), "{log}");
+    drop(idle);
+    let log = std::fs::read_to_string(logs.join("coordinator.log")).unwrap();
+    assert!(
+        log.contains("refused a connection to the coordinator")
+            && log.contains("it claims to be node 9")
+            && log.contains("does not know the cluster secret"),
+        "{log}"
+    );
+    let node1_log = std::fs::read_to_string(logs.join("node1.log")).unwrap();
+    assert!(
+        node1_log.contains("refused an edge connection"),
+        "{node1_log}"
+    );
+    assert!(
+        !log.contains("starting a generation"),
+        "nothing started without node 2:\n{log}"
+    );
+
+    // The real node 2: the job runs as if nobody else had called.
+    let node2 = spawn(&["node", "--node", "2"], &job, &logs.join("node2.log"));
+    finish(
+        &mut coordinator,
+        &mut [node1, node2],
+        &logs.join("coordinator.log"),
+        &[&logs.join("node1.log"), &logs.join("node2.log")],
+    );
+    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    output.sort();
+    assert_eq!(output, expected(words, 300));
 }

@@ -18,7 +18,9 @@ pub enum HexError {
     },
 }
 
-pub(crate) fn encode(bytes: &[u8]) -> String {
+/// `bytes` as lower-case hexadecimal.
+#[must_use]
+pub fn encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
     for byte in bytes {
         // Writing into a String cannot fail.
@@ -43,7 +45,8 @@ fn nibble(text: &str, index: usize) -> Result<u8, HexError> {
     }
 }
 
-pub(crate) fn decode(text: &str) -> Result<Vec<u8>, HexError> {
+/// The bytes of lower-case hexadecimal `text`.
+pub fn decode(text: &str) -> Result<Vec<u8>, HexError> {
     if !text.len().is_multiple_of(2) {
         return Err(HexError::OddLength(text.len()));
     }

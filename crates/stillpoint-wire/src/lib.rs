@@ -63,7 +63,7 @@ pub use codec::{
     HEADER_LEN, MAGIC, MAX_TEXT_LEN, encode, encode_to_bytes, encode_with_limit,
 };
 pub use digest::{DigestParseError, Sha256Digest};
-pub use hex::HexError;
+pub use hex::{HexError, decode as decode_hex, encode as encode_hex};
 pub use ids::{CheckpointId, CheckpointKind, NodeId, StreamId, TaskId, TransId};
 pub use manifest::{
     BackendInfo, CheckpointManifest, KeyGroupRange, MANIFEST_VERSION, MAX_MANIFEST_LEN,
@@ -72,7 +72,7 @@ pub use manifest::{
 pub use message::{
     AbortReason, Barrier, BarrierAck, CheckpointAbort, CheckpointComplete, CheckpointReady,
     CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, Message,
-    MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
+    MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp, Route,
     SnapshotReport,
 };
 pub use offset::{OffsetTooLong, SourceOffset};

@@ -407,6 +407,46 @@ impl Message {
         }
     }
 
+    /// Where the message travels: along one edge (which way), from the coordinator to
+    /// a task, or from a task to the coordinator.
+    #[must_use]
+    pub const fn route(&self) -> Route {
+        let (upstream, downstream, to_downstream) = match self {
+            Self::CheckpointSource(m) => return Route::ToTask(m.task),
+            Self::CheckpointComplete(m) => return Route::ToTask(m.task),
+            Self::CheckpointAbort(m) => return Route::ToTask(m.task),
+            Self::CheckpointSourceRsp(m) => return Route::ToCoordinator(m.task),
+            Self::CheckpointReport(m) => return Route::ToCoordinator(m.task),
+            Self::Data(m) => (m.upstream, m.downstream, true),
+            Self::Barrier(m) => (m.upstream, m.downstream, true),
+            Self::CheckpointReadyAck(m) => (m.upstream, m.downstream, true),
+            Self::RetrieveBarrierRsp(m) => (m.upstream, m.downstream, true),
+            Self::BarrierAck(m) => (m.upstream, m.downstream, false),
+            Self::CheckpointReady(m) => (m.upstream, m.downstream, false),
+            Self::RetrieveBarrier(m) => (m.upstream, m.downstream, false),
+        };
+        Route::Edge {
+            upstream,
+            downstream,
+            to_downstream,
+        }
+    }
+
+    /// The task the message is for; `None` when it is for the coordinator.
+    #[must_use]
+    pub const fn recipient(&self) -> Option<TaskId> {
+        match self.route() {
+            Route::ToTask(task) => Some(task),
+            Route::ToCoordinator(_) => None,
+            Route::Edge {
+                downstream,
+                to_downstream: true,
+                ..
+            } => Some(downstream),
+            Route::Edge { upstream, .. } => Some(upstream),
+        }
+    }
+
     /// The checkpoint a control message is about; `None` for [`Data`].
     #[must_use]
     pub const fn checkpoint(&self) -> Option<CheckpointId> {
@@ -425,6 +465,25 @@ impl Message {
             Self::Data(_) => None,
         }
     }
+}
+
+/// Where a [`Message`] travels ([`Message::route`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Between the two tasks of one edge.
+    Edge {
+        /// The edge's upstream task.
+        upstream: TaskId,
+        /// The edge's downstream task.
+        downstream: TaskId,
+        /// Whether it flows downstream (records, barriers and the answers to the
+        /// downstream's requests) or upstream (acknowledgements and requests).
+        to_downstream: bool,
+    },
+    /// From the coordinator to this task.
+    ToTask(TaskId),
+    /// From this task to the coordinator.
+    ToCoordinator(TaskId),
 }
 
 macro_rules! into_message {

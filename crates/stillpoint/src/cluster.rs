@@ -27,6 +27,7 @@ use stillpoint_wire::{
     CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, SourcePosition, TaskId,
 };
 
+use crate::auth::{self, ClusterSecret};
 use crate::build::{
     Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
     is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
@@ -38,10 +39,10 @@ use crate::job::{
 };
 use crate::metrics::{Metrics, Served};
 use crate::net::{
-    EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
-    write_envelope, writer_loop,
+    EdgeEnd, EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
+    writer_loop,
 };
-use crate::transport::{CoordinatorInput, Links, Signals, control_target};
+use crate::transport::{CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, RunOptions, ToDataflow};
 
 /// Where the processes of a cluster job listen.
@@ -56,6 +57,8 @@ pub struct ClusterConfig {
     /// Node `i + 1` serves its tasks' Prometheus metrics at `node_metrics[i]` (empty:
     /// none; the coordinator serves the checkpoints' at `JobConfig::metrics_listen`).
     pub node_metrics: Vec<SocketAddr>,
+    /// What every process of the cluster knows and proves on every connection.
+    pub secret: ClusterSecret,
 }
 
 impl ClusterConfig {
@@ -109,51 +112,46 @@ fn io_net(what: &str, error: &std::io::Error) -> EngineError {
     EngineError::Net(format!("{what}: {error}"))
 }
 
-/// Reads the first envelope of a fresh connection, within `timeout`.
-fn read_hello(stream: &TcpStream, timeout: Duration) -> Result<EngineMessage, EngineError> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| io_net("handshake", &e))?;
-    let mut reader = stream.try_clone().map_err(|e| io_net("handshake", &e))?;
-    let hello = read_envelope(&mut reader, FrameDecoder::default())?;
-    stream
-        .set_read_timeout(None)
-        .map_err(|e| io_net("handshake", &e))?;
-    match hello {
-        Envelope::Engine(message) => Ok(message),
-        Envelope::Wire { .. } => Err(EngineError::Net(
-            "a connection began with a protocol message, not a hello".into(),
-        )),
-    }
-}
+/// Handshakes in progress at most: a further connection is closed at once.
+const MAX_HANDSHAKES: usize = 16;
 
 /// Accepts connections on `listener` until `halt`, handing each to `on_accept` on
-/// its own short-lived handshake thread.
+/// its own short-lived handshake thread, at most [`MAX_HANDSHAKES`] at a time.
 fn accept_loop(
     listener: TcpListener,
     halt: Arc<AtomicBool>,
-    on_accept: impl Fn(TcpStream) + Send + Sync + 'static,
+    on_accept: impl Fn(TcpStream, SocketAddr) + Send + Sync + 'static,
 ) -> Result<JoinHandle<()>, EngineError> {
     listener
         .set_nonblocking(true)
         .map_err(|e| io_net("listen", &e))?;
     let on_accept = Arc::new(on_accept);
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("accept".into())
         .spawn(move || {
             while !halt.load(Ordering::SeqCst) {
                 match listener.accept() {
-                    Ok((stream, _)) => {
-                        let on_accept = Arc::clone(&on_accept);
-                        let _handshake = std::thread::Builder::new()
+                    Ok((stream, peer)) => {
+                        if busy.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+                            busy.fetch_sub(1, Ordering::SeqCst);
+                            tracing::warn!(%peer, "refused a connection: {MAX_HANDSHAKES} handshakes are in progress");
+                            continue;
+                        }
+                        let (on_accept, busy) = (Arc::clone(&on_accept), Arc::clone(&busy));
+                        let spawned = std::thread::Builder::new()
                             .name("handshake".into())
                             .spawn(move || {
                                 if stream.set_nonblocking(false).is_ok()
                                     && stream.set_nodelay(true).is_ok()
                                 {
-                                    on_accept(stream);
+                                    on_accept(stream, peer);
                                 }
+                                busy.fetch_sub(1, Ordering::SeqCst);
                             });
+                        if spawned.is_err() {
+                            tracing::warn!(%peer, "refused a connection: no thread for its handshake");
+                        }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(10));
@@ -234,8 +232,16 @@ pub fn run_coordinator(
             Arc::clone(&generation),
             Arc::clone(&connections),
         );
-        accept_loop(listener, Arc::clone(&halt), move |stream| {
-            accept_node(stream, &inputs, &generation, &connections);
+        let (secret, nodes) = (cluster.secret.clone(), cluster.node_count());
+        accept_loop(listener, Arc::clone(&halt), move |stream, peer| {
+            accept_node(
+                stream,
+                peer,
+                (&secret, nodes),
+                &inputs,
+                &generation,
+                &connections,
+            );
         })?
     };
     tracing::info!(address = %cluster.coordinator, nodes = cluster.nodes.len(), "coordinator listening");
@@ -280,9 +286,13 @@ pub fn run_coordinator(
                 })
                 .collect::<Vec<_>>()
         });
+        // A fresh token per generation: only the nodes told to start it can open its
+        // edges.
+        let token = stillpoint_wire::encode_hex(&auth::nonce()[..16]);
         for link in nodes.values() {
             let _closed = link.writer.send(Envelope::Engine(EngineMessage::Start {
                 generation: g,
+                token: token.clone(),
                 checkpoint: restore_id.map(CheckpointId::get),
                 replay: bounds.clone(),
             }));
@@ -443,18 +453,24 @@ fn reset(nodes: &BTreeMap<NodeId, NodeLink>, generation: u64) {
 /// dropping whatever belongs to another generation.
 fn accept_node(
     stream: TcpStream,
+    peer: SocketAddr,
+    (secret, nodes): (&ClusterSecret, u32),
     inputs: &Sender<CoordinatorInput>,
     generation: &Arc<AtomicU64>,
     connections: &AtomicU64,
 ) {
-    let node = match read_hello(&stream, Duration::from_secs(10)) {
-        Ok(EngineMessage::Hello { node }) => NodeId(node),
-        Ok(other) => {
-            tracing::warn!(?other, "a connection to the coordinator did not say hello");
-            return;
-        }
+    let hello = auth::accept(&stream, secret, |hello| match hello {
+        EngineMessage::Hello { node, .. } if (1..=nodes).contains(node) => Ok(Vec::new()),
+        EngineMessage::Hello { node, .. } => Err(format!(
+            "it claims to be node {node}; the cluster has nodes 1 to {nodes}"
+        )),
+        other => Err(format!("{} is not a node's hello", other.name())),
+    });
+    let node = match hello {
+        Ok(EngineMessage::Hello { node, .. }) => NodeId(node),
+        Ok(_) => return,
         Err(error) => {
-            tracing::warn!(%error, "a node's handshake failed");
+            tracing::warn!(%peer, %error, "refused a connection to the coordinator");
             return;
         }
     };
@@ -903,17 +919,44 @@ pub fn run_node(
     let listener = TcpListener::bind(own_address)
         .map_err(|e| EngineError::io("listen on", own_address.to_string(), &e))?;
     let halt = Arc::new(AtomicBool::new(false));
-    let (edges_tx, edges_rx) = crossbeam_channel::unbounded::<(EngineMessage, TcpStream)>();
-    let acceptor = accept_loop(listener, Arc::clone(&halt), move |stream| match read_hello(
-        &stream,
-        Duration::from_secs(10),
-    ) {
-        Ok(hello @ EngineMessage::EdgeHello { .. }) => {
-            let _sent = edges_tx.send((hello, stream));
-        }
-        Ok(other) => tracing::warn!(?other, "an edge connection did not say hello"),
-        Err(error) => tracing::warn!(%error, "an edge handshake failed"),
-    })?;
+    let (edges_tx, edges_rx) = crossbeam_channel::unbounded::<(EdgeArrival, TcpStream)>();
+    let tokens = Arc::new(GenerationTokens::default());
+    let acceptor = {
+        let (secret, tokens) = (cluster.secret.clone(), Arc::clone(&tokens));
+        let nodes = cluster.node_count();
+        accept_loop(listener, Arc::clone(&halt), move |stream, peer| {
+            let hello = auth::accept(&stream, &secret, |hello| match hello {
+                EngineMessage::EdgeHello {
+                    generation,
+                    downstream,
+                    ..
+                } if Topology::node_of(TaskId(*downstream), nodes) == node => {
+                    tokens.wait_for(*generation, auth::HANDSHAKE_TIMEOUT)
+                }
+                EngineMessage::EdgeHello { downstream, .. } => Err(format!(
+                    "its edge ends at task {downstream}, which this node does not run"
+                )),
+                other => Err(format!("{} is not an edge's hello", other.name())),
+            });
+            match hello {
+                Ok(EngineMessage::EdgeHello {
+                    generation,
+                    upstream,
+                    downstream,
+                    ..
+                }) => {
+                    let arrival = EdgeArrival {
+                        generation,
+                        upstream: TaskId(upstream),
+                        downstream: TaskId(downstream),
+                    };
+                    let _sent = edges_tx.send((arrival, stream));
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%peer, %error, "refused an edge connection"),
+            }
+        })?
+    };
     let mut node_state = NodeState {
         config: &local,
         flow: &flow,
@@ -924,6 +967,7 @@ pub fn run_node(
         store: &store,
         runtime: &runtime,
         edges: edges_rx,
+        tokens,
         early_edges: Vec::new(),
         metrics: Arc::new(Metrics::for_node(node, &local_tasks)),
     };
@@ -937,6 +981,64 @@ pub fn run_node(
     outcome
 }
 
+/// An authenticated edge connection: `upstream → downstream` of `generation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EdgeArrival {
+    generation: u64,
+    upstream: TaskId,
+    downstream: TaskId,
+}
+
+/// The newest generation a node was told to start, with its token: what the edge
+/// handshakes of that generation prove they know.
+#[derive(Default)]
+struct GenerationTokens {
+    current: std::sync::Mutex<(u64, Vec<u8>)>,
+    changed: std::sync::Condvar,
+}
+
+impl GenerationTokens {
+    fn set(&self, generation: u64, token: Vec<u8>) {
+        if let Ok(mut current) = self.current.lock() {
+            *current = (generation, token);
+        }
+        self.changed.notify_all();
+    }
+
+    /// The token of `generation`, waiting up to `timeout` for the coordinator's start
+    /// of it to arrive here (an upstream node may have started it a moment sooner).
+    fn wait_for(&self, generation: u64, timeout: Duration) -> Result<Vec<u8>, String> {
+        let deadline = Instant::now() + timeout;
+        let mut current = self
+            .current
+            .lock()
+            .map_err(|_| "a poisoned lock".to_owned())?;
+        loop {
+            match current.0.cmp(&generation) {
+                std::cmp::Ordering::Equal => return Ok(current.1.clone()),
+                std::cmp::Ordering::Greater => {
+                    return Err(format!(
+                        "its generation {generation} is over (this node runs {})",
+                        current.0
+                    ));
+                }
+                std::cmp::Ordering::Less => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "this node was not told to start generation {generation} within {timeout:?}"
+                ));
+            }
+            current = self
+                .changed
+                .wait_timeout(current, left)
+                .map_err(|_| "a poisoned lock".to_owned())?
+                .0;
+        }
+    }
+}
+
 struct NodeState<'a> {
     config: &'a JobConfig,
     flow: &'a Dataflow,
@@ -946,9 +1048,11 @@ struct NodeState<'a> {
     groups: KeyGroups,
     store: &'a Store,
     runtime: &'a tokio::runtime::Runtime,
-    edges: Receiver<(EngineMessage, TcpStream)>,
+    edges: Receiver<(EdgeArrival, TcpStream)>,
+    /// The token of the newest generation the coordinator started here.
+    tokens: Arc<GenerationTokens>,
     /// Edge connections of a generation this node has not started yet.
-    early_edges: Vec<(EngineMessage, TcpStream)>,
+    early_edges: Vec<(EdgeArrival, TcpStream)>,
     metrics: Arc<Metrics>,
 }
 
@@ -958,15 +1062,28 @@ impl NodeState<'_> {
             let Some(stream) = self.connect_unless_finished()? else {
                 return Ok(());
             };
-            let mut hello = Vec::new();
-            write_envelope(
-                &mut hello,
-                &Envelope::Engine(EngineMessage::Hello {
-                    node: self.node.get(),
-                }),
-            )?;
-            std::io::Write::write_all(&mut &stream, &hello)
-                .map_err(|e| io_net("hello to the coordinator", &e))?;
+            let node = self.node.get();
+            let claim = auth::node_claim(node);
+            let proved = auth::connect(
+                &stream,
+                &self.cluster.secret,
+                &claim,
+                &[],
+                |nonce, proof| EngineMessage::Hello { node, nonce, proof },
+            );
+            match proved {
+                Ok(()) => {}
+                Err(auth::Rejected::Refused(reason)) => {
+                    return Err(EngineError::Net(format!(
+                        "the coordinator refused node {node}: {reason} (is the cluster secret the same for every process?)"
+                    )));
+                }
+                Err(auth::Rejected::Failed(error)) => {
+                    tracing::warn!(node = %self.node, %error, "handshake with the coordinator failed; reconnecting");
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+            }
             tracing::info!(node = %self.node, coordinator = %self.cluster.coordinator, "connected");
             let (writer, envelopes) = crossbeam_channel::unbounded();
             let write_half = stream.try_clone().map_err(|e| io_net("coordinator", &e))?;
@@ -1072,21 +1189,25 @@ impl NodeState<'_> {
                     let Some(live) = current.as_ref().filter(|c| c.generation == generation) else {
                         continue;
                     };
-                    if let Some(channel) =
-                        control_target(&message).and_then(|t| live.control.get(&t))
-                    {
+                    if let Some(channel) = message.recipient().and_then(|t| live.control.get(&t)) {
                         let _closed = channel.send(message);
                     }
                 }
                 NodeEvent::FromCoordinator(Envelope::Engine(message)) => match message {
                     EngineMessage::Start {
                         generation,
+                        token,
                         checkpoint,
                         replay,
                     } => {
                         if let Some(old) = current.take() {
                             old.end(false);
                         }
+                        let Ok(token) = stillpoint_wire::decode_hex(&token) else {
+                            tracing::warn!(generation, "a start without a valid token ignored");
+                            continue;
+                        };
+                        self.tokens.set(generation, token.clone());
                         let replay = replay.map(|bounds| Replay {
                             through: checkpoint.map_or(CheckpointId(0), CheckpointId),
                             bounds: bounds.into_iter().map(|p| (p.task, p.offset)).collect(),
@@ -1095,7 +1216,7 @@ impl NodeState<'_> {
                         current = self.start(
                             generation,
                             checkpoint.map(CheckpointId),
-                            replay.as_ref(),
+                            (replay.as_ref(), &token),
                             writer,
                         )?;
                     }
@@ -1143,7 +1264,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         checkpoint: Option<CheckpointId>,
-        replay: Option<&Replay>,
+        (replay, token): (Option<&Replay>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<Option<Generation>, EngineError> {
         let local: Vec<TaskId> = self
@@ -1184,7 +1305,9 @@ impl NodeState<'_> {
             }
             _ => Ok(()),
         };
-        match settled.and_then(|()| self.build(g, &local, (restore.as_ref(), replay), writer)) {
+        match settled
+            .and_then(|()| self.build(g, &local, (restore.as_ref(), replay, token), writer))
+        {
             Ok(generation) => {
                 let _closed = writer.send(Envelope::Engine(EngineMessage::Ready { generation: g }));
                 tracing::info!(node = %self.node, generation = g, tasks = local.len(), "generation running");
@@ -1208,7 +1331,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         local: &[TaskId],
-        restore: (Option<&Restore>, Option<&Replay>),
+        restore: (Option<&Restore>, Option<&Replay>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<Generation, EngineError> {
         let mut generation = Generation {
@@ -1233,7 +1356,7 @@ impl NodeState<'_> {
         &mut self,
         generation: &mut Generation,
         local: &[TaskId],
-        (restore, replay): (Option<&Restore>, Option<&Replay>),
+        (restore, replay, token): (Option<&Restore>, Option<&Replay>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<(), EngineError> {
         let g = generation.generation;
@@ -1271,17 +1394,26 @@ impl NodeState<'_> {
                     let address = self.cluster.node_address(Topology::node_of(down, nodes))?;
                     let deadline = Instant::now() + self.cluster.connect_timeout;
                     let stream = connect_retrying(address, deadline, &|| false)?;
-                    let mut hello = Vec::new();
-                    write_envelope(
-                        &mut hello,
-                        &Envelope::Engine(EngineMessage::EdgeHello {
+                    let claim = auth::edge_claim(g, up.get(), down.get());
+                    auth::connect(
+                        &stream,
+                        &self.cluster.secret,
+                        &claim,
+                        token,
+                        |nonce, proof| EngineMessage::EdgeHello {
                             generation: g,
                             upstream: up.get(),
                             downstream: down.get(),
-                        }),
-                    )?;
-                    std::io::Write::write_all(&mut &stream, &hello)
-                        .map_err(|e| io_net(&format!("edge {up}→{down}"), &e))?;
+                            nonce,
+                            proof,
+                        },
+                    )
+                    .map_err(|rejected| match rejected {
+                        auth::Rejected::Refused(reason) => EngineError::Net(format!(
+                            "the node of {down} refused edge {up}→{down}: {reason}"
+                        )),
+                        auth::Rejected::Failed(error) => error,
+                    })?;
                     let (data_tx, data_rx) = data_channel(self.config);
                     let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
                     outputs.entry(up).or_default().insert(down, data_tx);
@@ -1297,7 +1429,13 @@ impl NodeState<'_> {
                     generation.threads.push(spawn(
                         format!("edge-{up}-{down}-in"),
                         Box::new(move || {
-                            edge_receiver(read_half, None, c, s, FrameDecoder::default());
+                            let end = EdgeEnd {
+                                generation: g,
+                                upstream: up,
+                                downstream: down,
+                                downstream_side: false,
+                            };
+                            edge_receiver(read_half, end, None, c, s);
                         }),
                     )?);
                     generation.streams.push(stream);
@@ -1332,30 +1470,13 @@ impl NodeState<'_> {
                     }
                 }
             };
-            let (
-                EngineMessage::EdgeHello {
-                    generation: edge_generation,
-                    upstream,
-                    downstream,
-                },
-                stream,
-            ) = next
-            else {
-                continue;
-            };
-            if edge_generation > g {
-                self.early_edges.push((
-                    EngineMessage::EdgeHello {
-                        generation: edge_generation,
-                        upstream,
-                        downstream,
-                    },
-                    stream,
-                ));
+            let (arrival, stream) = next;
+            if arrival.generation > g {
+                self.early_edges.push((arrival, stream));
                 continue;
             }
-            let (up, down) = (TaskId(upstream), TaskId(downstream));
-            if edge_generation < g || !incoming.remove(&(up, down)) {
+            let (up, down) = (arrival.upstream, arrival.downstream);
+            if arrival.generation < g || !incoming.remove(&(up, down)) {
                 continue;
             }
             let (data_tx, data_rx) = data_channel(self.config);
@@ -1375,7 +1496,13 @@ impl NodeState<'_> {
             generation.threads.push(spawn(
                 format!("edge-{up}-{down}-data"),
                 Box::new(move || {
-                    edge_receiver(read_half, Some(data_tx), c, s, FrameDecoder::default());
+                    let end = EdgeEnd {
+                        generation: g,
+                        upstream: up,
+                        downstream: down,
+                        downstream_side: true,
+                    };
+                    edge_receiver(read_half, end, Some(data_tx), c, s);
                 }),
             )?);
             generation.streams.push(stream);

@@ -48,6 +48,8 @@
 //! coordinator = "127.0.0.1:7600"    # `stillpoint coordinator JOB.toml` listens here
 //! nodes = ["127.0.0.1:7601", "127.0.0.1:7602"]   # `stillpoint node JOB.toml --node N`
 //! connect_timeout = "60s"
+//! secret = "change me: 16 bytes or more"  # every connection proves it knows this;
+//!                                   # better: secret_file = "PATH" (the file's bytes)
 //!
 //! [pipeline]                        # the built-in keyed word count
 //! sources = 2
@@ -140,8 +142,21 @@ impl Job {
     }
 }
 
+/// An engine error as the reason a field is refused (without its kind's prefix).
+fn reason(error: crate::EngineError) -> String {
+    match error {
+        crate::EngineError::Invalid(reason) => reason,
+        other => other.to_string(),
+    }
+}
+
 /// Fields whose values are secrets: never repeated in an error.
-const SECRET_FIELDS: [&str; 3] = ["encryption_key", "secret_access_key", "session_token"];
+const SECRET_FIELDS: [&str; 4] = [
+    "encryption_key",
+    "secret_access_key",
+    "session_token",
+    "secret",
+];
 
 /// A parse error as line, column and the parser's message — never toml's snippet of
 /// the offending line, which would echo a mistyped secret to the terminal; and when
@@ -198,6 +213,10 @@ struct JobFile {
 struct ClusterSection {
     coordinator: std::net::SocketAddr,
     nodes: Vec<std::net::SocketAddr>,
+    /// A file holding the cluster secret (relative to the job file's directory).
+    secret_file: Option<PathBuf>,
+    /// The cluster secret itself (prefer `secret_file`).
+    secret: Option<String>,
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
     connect_timeout: Duration,
 }
@@ -421,6 +440,29 @@ impl JobFile {
         if cluster.as_ref().is_some_and(|c| c.nodes.is_empty()) {
             return Err(invalid("cluster.nodes", "must list at least one node"));
         }
+        let secret = match cluster.as_ref().map(|c| (&c.secret_file, &c.secret)) {
+            None => None,
+            Some((Some(path), None)) => Some(
+                crate::ClusterSecret::from_file(path)
+                    .map_err(|e| invalid("cluster.secret_file", &reason(e)))?,
+            ),
+            Some((None, Some(text))) => Some(
+                crate::ClusterSecret::new(zeroize::Zeroizing::new(text.clone()).as_bytes())
+                    .map_err(|e| invalid("cluster.secret", &reason(e)))?,
+            ),
+            Some((None, None)) => {
+                return Err(invalid(
+                    "cluster.secret_file",
+                    "is required: every connection of a cluster proves it knows the cluster secret (a file of at least 16 bytes, the same for every process; or cluster.secret)",
+                ));
+            }
+            Some((Some(_), Some(_))) => {
+                return Err(invalid(
+                    "cluster.secret",
+                    "and cluster.secret_file exclude each other",
+                ));
+            }
+        };
         if job.checkpoint_interval.is_zero() {
             return Err(invalid("job.checkpoint_interval", "must be positive"));
         }
@@ -584,11 +626,12 @@ impl JobFile {
                 ),
             ));
         }
-        config.cluster = cluster.map(|c| crate::ClusterConfig {
+        config.cluster = cluster.zip(secret).map(|(c, secret)| crate::ClusterConfig {
             coordinator: c.coordinator,
             nodes: c.nodes,
             connect_timeout: c.connect_timeout,
             node_metrics: metrics.nodes,
+            secret,
         });
         let pipeline = WordCount {
             sources: pipeline.sources,
@@ -663,6 +706,7 @@ listen = "127.0.0.1:9464"
 [cluster]
 coordinator = "127.0.0.1:7600"
 nodes = ["127.0.0.1:7601", "127.0.0.1:7602"]
+secret = "a cluster secret of some length"
 [pipeline]
 sources = 1
 aggregators = 4
@@ -704,6 +748,12 @@ input = { kind = "files", paths = ["in.txt"] }
             format!("[store]\nencryption_key = [\"{secret}\"]\n"),
             format!("[store]\nsecret_access_key = '{secret}\n"),
             format!("[store]\nsecret_access_key = \"{secret}\"\nfrobnicate = 1\n"),
+            format!(
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret = {secret}\n"
+            ),
+            format!(
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret = [\"{secret}\"]\n"
+            ),
         ] {
             let error = Job::from_toml(&text, "job.toml").unwrap_err().to_string();
             assert!(!error.contains(secret), "{error}");
@@ -762,8 +812,24 @@ input = { kind = "files", paths = ["in.txt"] }
                 "`metrics.nodes` is for the nodes of a cluster job",
             ),
             (
-                "[metrics]\nnodes = [\"127.0.0.1:9465\"]\n[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\", \"127.0.0.1:3\"]\n",
+                "[metrics]\nnodes = [\"127.0.0.1:9465\"]\n[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\", \"127.0.0.1:3\"]\nsecret = \"sixteen bytes or more\"\n",
                 "lists 1 addresses for 2 nodes",
+            ),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\n",
+                "`cluster.secret_file` is required",
+            ),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret = \"tiny-secret\"\n",
+                "`cluster.secret` the cluster secret is 11 bytes; at least 16 are needed",
+            ),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret = \"sixteen bytes or more\"\nsecret_file = \"x\"\n",
+                "exclude each other",
+            ),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret_file = \"/nonexistent/cluster.secret\"\n",
+                "/nonexistent/cluster.secret",
             ),
         ];
         for (text, expected) in cases {

@@ -222,14 +222,9 @@ impl CoordinatorDriver<'_> {
         while let Some(action) = self.coordinator.poll_action() {
             match action {
                 CoordinatorAction::Send(message) => {
-                    let task = match &message {
-                        Message::CheckpointSource(m) => m.task,
-                        Message::CheckpointComplete(m) => m.task,
-                        Message::CheckpointAbort(m) => m.task,
-                        other => {
-                            tracing::warn!(kind = ?other.kind(), "coordinator sent an unexpected message");
-                            continue;
-                        }
+                    let stillpoint_wire::Route::ToTask(task) = message.route() else {
+                        tracing::warn!(kind = ?message.kind(), "coordinator sent an unexpected message");
+                        continue;
                     };
                     (self.control)(task, message);
                 }

@@ -34,6 +34,7 @@
     )
 )]
 
+mod auth;
 mod build;
 mod cluster;
 mod config;
@@ -49,6 +50,7 @@ mod record;
 mod sources;
 mod transport;
 
+pub use auth::{ClusterSecret, MIN_SECRET_BYTES};
 pub use cluster::{ClusterConfig, run_coordinator, run_node};
 pub use config::{ConfigError, Job};
 pub use dataflow::{

@@ -20,26 +20,50 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
-use stillpoint_wire::{FrameDecoder, Message, SourcePosition, encode_to_bytes};
+use stillpoint_wire::{FrameDecoder, Message, Route, SourcePosition, TaskId, encode_to_bytes};
 
 use crate::EngineError;
 use crate::build::ControlMap;
-use crate::transport::{Signals, control_target};
+use crate::transport::Signals;
 
 /// Engine messages between nodes and the coordinator (and the edge handshake).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum EngineMessage {
-    /// Node → coordinator, first on its connection.
+    /// The accepting side of a connection, first: answer with a hello proving you
+    /// know the cluster secret (`crate::auth`).
+    Challenge {
+        /// 32 random bytes, hex.
+        nonce: String,
+    },
+    /// Node → coordinator, answering the challenge.
     Hello {
         /// The node.
         node: u32,
+        /// The node's own 32 random bytes, hex.
+        nonce: String,
+        /// HMAC-SHA256 over the claim, the challenge and the nonce, hex.
+        proof: String,
+    },
+    /// The accepting side: the hello holds; here is the proof that it knows the
+    /// secret too.
+    Welcome {
+        /// HMAC-SHA256 over the claim, the nonce and the challenge, hex.
+        proof: String,
+    },
+    /// The accepting side: the hello does not hold (why); the connection closes.
+    Refused {
+        /// Why, never naming a secret.
+        reason: String,
     },
     /// Coordinator → node: build your tasks for `generation`, restored from
     /// `checkpoint` (none: a fresh start).
     Start {
         /// The generation.
         generation: u64,
+        /// The generation's token (16 random bytes, hex): each edge connection of the
+        /// generation proves it knows it.
+        token: String,
         /// The checkpoint to restore.
         checkpoint: Option<u64>,
         /// A replay up to the end of output the sinks published after `checkpoint`
@@ -110,7 +134,7 @@ pub enum EngineMessage {
     },
     /// Coordinator → node: every node finished; exit.
     Exit,
-    /// Node → node, first on an edge connection.
+    /// Node → node, answering the challenge of an edge connection.
     EdgeHello {
         /// The generation.
         generation: u64,
@@ -118,7 +142,36 @@ pub enum EngineMessage {
         upstream: u32,
         /// The downstream task.
         downstream: u32,
+        /// The upstream node's own 32 random bytes, hex.
+        nonce: String,
+        /// HMAC-SHA256 over the claim, the challenge, the nonce and the generation's
+        /// token, hex.
+        proof: String,
     },
+}
+
+impl EngineMessage {
+    /// The message's type, for logs (never its fields: some are proofs or tokens).
+    #[must_use]
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Challenge { .. } => "challenge",
+            Self::Hello { .. } => "hello",
+            Self::Welcome { .. } => "welcome",
+            Self::Refused { .. } => "refused",
+            Self::Start { .. } => "start",
+            Self::Ready { .. } => "ready",
+            Self::RestoreFailed { .. } => "restore_failed",
+            Self::SourceFinished { .. } => "source_finished",
+            Self::SourceAtBound { .. } => "source_at_bound",
+            Self::TaskFailed { .. } => "task_failed",
+            Self::Reset { .. } => "reset",
+            Self::Finish { .. } => "finish",
+            Self::Finished { .. } => "finished",
+            Self::Exit => "exit",
+            Self::EdgeHello { .. } => "edge_hello",
+        }
+    }
 }
 
 /// One unit on a connection.
@@ -137,6 +190,8 @@ pub enum Envelope {
 
 const TAG_WIRE: u8 = 0;
 const TAG_ENGINE: u8 = 1;
+/// What an envelope's payload is read in, at most, per step.
+const READ_CHUNK: usize = 64 * 1024;
 /// Longest engine message accepted.
 const MAX_ENGINE_LEN: u32 = 64 * 1024;
 
@@ -211,23 +266,34 @@ pub fn read_envelope(input: &mut impl Read, decoder: FrameDecoder) -> Result<Env
             "envelope of {length} bytes, at most {max} allowed"
         )));
     }
-    let mut payload = vec![0u8; length as usize];
-    input
-        .read_exact(&mut payload)
-        .map_err(|e| NetError::Closed(e.to_string()))?;
+    // Read as the bytes arrive, never allocated up front from the claimed length: a
+    // peer that announces a large envelope and stops costs only what it sent.
+    let mut payload = BytesMut::with_capacity((length as usize).min(READ_CHUNK));
+    let mut left = length as usize;
+    while left > 0 {
+        let start = payload.len();
+        let chunk = left.min(READ_CHUNK);
+        payload.resize(start + chunk, 0);
+        let slot = payload.get_mut(start..).unwrap_or_default();
+        input
+            .read_exact(slot)
+            .map_err(|e| NetError::Closed(e.to_string()))?;
+        left -= chunk;
+    }
+    let payload = payload.freeze();
     if tag == TAG_ENGINE {
         return serde_json::from_slice(&payload)
             .map(Envelope::Engine)
             .map_err(|e| NetError::Malformed(format!("engine message: {e}")));
     }
-    let Some((generation, frame)) = payload.split_first_chunk::<8>() else {
+    let Some((generation, _frame)) = payload.split_first_chunk::<8>() else {
         return Err(NetError::Malformed(
             "wire envelope without generation".to_owned(),
         ));
     };
     let generation = u64::from_be_bytes(*generation);
     let message = decoder
-        .decode_exact(Bytes::copy_from_slice(frame))
+        .decode_exact(payload.slice(8..))
         .map_err(|e| NetError::Malformed(e.to_string()))?;
     Ok(Envelope::Wire {
         generation,
@@ -347,18 +413,51 @@ pub(crate) fn edge_sender(
     }
 }
 
-/// The receiving side of a connection: data and barriers into `data` (the bounded
-/// input of the downstream task, when this is its edge), control messages into the
-/// control channels of the local tasks they are for. Ends when the connection breaks
-/// or the generation halts; dropping `data` then tells the task its input is gone.
+/// One edge connection as its receiving side knows it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EdgeEnd {
+    /// The generation the connection was opened for.
+    pub(crate) generation: u64,
+    /// The edge's upstream task.
+    pub(crate) upstream: TaskId,
+    /// The edge's downstream task.
+    pub(crate) downstream: TaskId,
+    /// Whether this side is the downstream's (it receives records, barriers and the
+    /// answers to its requests) or the upstream's (acknowledgements and requests).
+    pub(crate) downstream_side: bool,
+}
+
+impl EdgeEnd {
+    /// Whether `message` may arrive on this side of this edge: only messages between
+    /// its two tasks, flowing this way, of its generation. Anything else — a barrier
+    /// for another task, a `CheckpointComplete` (only the coordinator sends those) —
+    /// is refused.
+    fn admits(&self, generation: u64, message: &Message) -> bool {
+        generation == self.generation
+            && message.route()
+                == Route::Edge {
+                    upstream: self.upstream,
+                    downstream: self.downstream,
+                    to_downstream: self.downstream_side,
+                }
+    }
+}
+
+/// The receiving side of an edge connection: data and barriers into `data` (the
+/// bounded input of the downstream task, on the downstream's side), control messages
+/// into the control channel of the edge's task on this side. A message that does not
+/// belong to this edge, this direction and this generation closes the connection
+/// (the generation then fails over). Ends when the connection breaks or the
+/// generation halts; dropping `data` then tells the task its input is gone.
 pub(crate) fn edge_receiver(
     stream: TcpStream,
+    end: EdgeEnd,
     data: Option<Sender<Message>>,
     control: ControlMap,
     signals: Arc<Signals>,
-    decoder: FrameDecoder,
 ) {
     let mut input = BufReader::with_capacity(256 * 1024, stream);
+    let decoder = FrameDecoder::default();
     loop {
         let envelope = match read_envelope(&mut input, decoder) {
             Ok(envelope) => envelope,
@@ -367,10 +466,24 @@ pub(crate) fn edge_receiver(
                 return;
             }
         };
-        let Envelope::Wire { message, .. } = envelope else {
-            tracing::warn!("engine message on an edge connection ignored");
-            continue;
+        let Envelope::Wire {
+            generation,
+            message,
+        } = envelope
+        else {
+            tracing::warn!(edge = ?end, "an engine message on an edge connection: closing it");
+            return;
         };
+        if !end.admits(generation, &message) {
+            tracing::warn!(
+                edge = ?end,
+                generation,
+                kind = ?message.kind(),
+                route = ?message.route(),
+                "refused a message that does not belong to this edge: closing it"
+            );
+            return;
+        }
         match (&message, &data) {
             (Message::Data(_) | Message::Barrier(_), Some(data)) => {
                 if !send_bounded(data, message, &signals) {
@@ -378,9 +491,10 @@ pub(crate) fn edge_receiver(
                 }
             }
             _ => {
-                let Some(target) = control_target(&message) else {
-                    tracing::warn!(kind = ?message.kind(), "unroutable message on an edge");
-                    continue;
+                let target = if end.downstream_side {
+                    end.downstream
+                } else {
+                    end.upstream
                 };
                 if let Some(channel) = control.get(&target) {
                     let _closed = channel.send(message);
@@ -487,5 +601,69 @@ mod tests {
             read_envelope(&mut garbage.as_slice(), decoder),
             Err(NetError::Malformed(_))
         ));
+    }
+
+    /// An edge admits only messages between its two tasks, flowing its way, of its
+    /// generation: no peer can inject a barrier for another task or tell a sink a
+    /// checkpoint completed.
+    #[test]
+    fn an_edge_admits_only_its_own_pair_direction_and_generation() {
+        use stillpoint_wire::{BarrierAck, CheckpointComplete, Data};
+        let end = EdgeEnd {
+            generation: 4,
+            upstream: TaskId(1),
+            downstream: TaskId(3),
+            downstream_side: true,
+        };
+        let data = |upstream: u32, downstream: u32| {
+            Message::Data(Data {
+                stream: StreamId(1),
+                upstream: TaskId(upstream),
+                downstream: TaskId(downstream),
+                records: 0,
+                payload: Bytes::new(),
+            })
+        };
+        let barrier = |downstream: u32| {
+            Message::Barrier(Barrier {
+                stream: StreamId(1),
+                checkpoint: CheckpointId(3),
+                upstream: TaskId(1),
+                downstream: TaskId(downstream),
+                trans: TransId(1),
+                kind: CheckpointKind::Checkpoint,
+            })
+        };
+        let ack = Message::BarrierAck(BarrierAck {
+            stream: StreamId(1),
+            upstream: TaskId(1),
+            downstream: TaskId(3),
+            checkpoint: CheckpointId(3),
+        });
+        let complete = Message::CheckpointComplete(CheckpointComplete {
+            stream: StreamId(1),
+            task: TaskId(3),
+            checkpoint: CheckpointId(3),
+            trans: TransId(1),
+            completed_at_millis: 0,
+            source_offset: None,
+        });
+        assert!(end.admits(4, &data(1, 3)));
+        assert!(end.admits(4, &barrier(3)));
+        assert!(!end.admits(5, &data(1, 3)), "another generation");
+        assert!(!end.admits(4, &data(2, 3)), "another upstream");
+        assert!(!end.admits(4, &barrier(4)), "a barrier for another task");
+        assert!(
+            !end.admits(4, &ack),
+            "upstream-bound, on the downstream's side"
+        );
+        assert!(!end.admits(4, &complete), "only the coordinator completes");
+        let upstream_side = EdgeEnd {
+            downstream_side: false,
+            ..end
+        };
+        assert!(upstream_side.admits(4, &ack));
+        assert!(!upstream_side.admits(4, &data(1, 3)));
+        assert!(!upstream_side.admits(4, &complete));
     }
 }

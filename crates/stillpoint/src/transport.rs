@@ -96,7 +96,7 @@ impl Links {
             }
             _ => {}
         }
-        let Some(target) = control_target(&message) else {
+        let Some(target) = message.recipient() else {
             return Err(EngineError::Invalid(format!(
                 "a task cannot send {:?}",
                 message.kind()
@@ -134,23 +134,4 @@ impl Links {
             }
         }
     }
-}
-
-/// The task a control message is for (`None`: data, barriers and messages for the
-/// coordinator).
-pub(crate) fn control_target(message: &Message) -> Option<TaskId> {
-    Some(match message {
-        Message::BarrierAck(m) => m.upstream,
-        Message::CheckpointReady(m) => m.upstream,
-        Message::RetrieveBarrier(m) => m.upstream,
-        Message::CheckpointReadyAck(m) => m.downstream,
-        Message::RetrieveBarrierRsp(m) => m.downstream,
-        Message::CheckpointSource(m) => m.task,
-        Message::CheckpointComplete(m) => m.task,
-        Message::CheckpointAbort(m) => m.task,
-        Message::Barrier(_)
-        | Message::Data(_)
-        | Message::CheckpointSourceRsp(_)
-        | Message::CheckpointReport(_) => return None,
-    })
 }

@@ -102,6 +102,9 @@ pub(crate) fn expected(words: u64, vocabulary: u32) -> Vec<(String, String)> {
 
 /// A word-count job file in `dir`: two generated sources of `words` words each
 /// (vocabulary 300), three counters, a checkpoint every 50 ms, output in `dir/out`;
+/// The cluster secret of the tests' cluster jobs.
+pub(crate) const CLUSTER_SECRET: &str = "the secret of the test cluster";
+
 /// `cluster` adds a `[cluster]` section (coordinator, nodes).
 pub(crate) fn word_count_job(
     dir: &Path,
@@ -110,7 +113,7 @@ pub(crate) fn word_count_job(
 ) -> std::path::PathBuf {
     let cluster = cluster.map_or(String::new(), |(c, n1, n2)| {
         format!(
-            "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\n"
+            "[cluster]\ncoordinator = \"127.0.0.1:{c}\"\nnodes = [\"127.0.0.1:{n1}\", \"127.0.0.1:{n2}\"]\nconnect_timeout = \"30s\"\nsecret = \"{CLUSTER_SECRET}\"\n"
         )
     });
     let job = dir.join("job.toml");
