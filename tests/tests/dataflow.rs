@@ -25,10 +25,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use stillpoint::{
-    CachedState, Dataflow, EngineError, GeneratedWords, KeyedCount, KeyedState, Operator,
-    Partitioning, Persist, Record, Sink, Source, TransactionalFileSink, read_committed,
-    run_word_count,
+    CachedState, Dataflow, EngineError, KeyedState, Operator, Partitioning, Persist, Record, Sink,
+    Source, run_word_count,
 };
+use stillpoint_connectors::{GeneratedWords, KeyedCount, TransactionalFileSink, read_committed};
 use support::{config, crash_loop};
 
 const SEED: u64 = 7;
@@ -441,7 +441,7 @@ fn a_fallback_is_refused_for_a_sink_that_cannot_say_what_it_published() {
 }
 
 /// A sink stage that says what it published but records no source offsets with it.
-struct Unrecorded(stillpoint::FileSinkFactory);
+struct Unrecorded(stillpoint_connectors::FileSinkFactory);
 
 impl stillpoint::SinkFactory for Unrecorded {
     fn create(&self, task: stillpoint_wire::TaskId) -> Result<Box<dyn Sink>, EngineError> {

@@ -13,7 +13,8 @@ mod support;
 
 use std::time::Duration;
 
-use stillpoint::{RunOptions, StopHandle, WordCount, WordInput, run_word_count};
+use stillpoint::{RunOptions, StopHandle, run_word_count};
+use stillpoint_connectors::{WordCount, WordInput};
 use support::{committed_output, config, crash_loop, expected_output, percentile};
 
 fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {

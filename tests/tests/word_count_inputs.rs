@@ -15,7 +15,8 @@ use std::io::{Read, Write};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use stillpoint::{JobConfig, RunOptions, StopHandle, WordCount, WordInput, run};
+use stillpoint::{JobConfig, RunOptions, StopHandle, run};
+use stillpoint_connectors::{WordCount, WordInput};
 use support::{Rng, committed_output, config, crash_loop, expected_output};
 
 fn text(seed: u64, lines: usize) -> String {

@@ -17,8 +17,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use s3::{ACCESS_KEY, BUCKET, ENDPOINT, S3Server, SECRET_KEY};
-use stillpoint::{JobConfig, WordCount, WordInput};
+use stillpoint::JobConfig;
 use stillpoint_backup::{S3Credentials, Store, StoreOptions};
+use stillpoint_connectors::{WordCount, WordInput};
 use support::{committed_output, crash_loop, expected_output, percentile};
 
 fn options() -> StoreOptions {

@@ -116,7 +116,8 @@ fn no_should_panic_or_ignore_attributes() {
 }
 
 /// Which workspace crates each crate may depend on (DESIGN §1):
-/// cli → stillpoint → {task, state, backup} → wire; the middle three never on each other.
+/// cli → connectors → stillpoint → {task, state, backup} → wire; the middle three
+/// never on each other.
 fn allowed_internal() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
     let set = |names: &[&'static str]| names.iter().copied().collect::<BTreeSet<_>>();
     let lower = [
@@ -127,12 +128,18 @@ fn allowed_internal() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
     ];
     let mut all = lower.to_vec();
     all.push("stillpoint");
+    all.push("stillpoint-connectors");
     BTreeMap::from([
         ("stillpoint-wire", set(&[])),
         ("stillpoint-task", set(&["stillpoint-wire"])),
         ("stillpoint-state", set(&["stillpoint-wire"])),
         ("stillpoint-backup", set(&["stillpoint-wire"])),
         ("stillpoint", set(&lower)),
+        // Connectors use the engine's public API only (and the wire crate's ids).
+        (
+            "stillpoint-connectors",
+            set(&["stillpoint", "stillpoint-wire"]),
+        ),
         ("stillpoint-cli", set(&all)),
         (
             "stillpoint-tests",
@@ -162,9 +169,12 @@ fn crate_dependencies_point_the_way_design_says() {
         };
         for dep in package["dependencies"].as_array().unwrap() {
             let dep_name = str_of(dep, "name");
-            // A crate may dev-depend on itself to turn on a feature for its own tests.
-            let own = dep_name == name && dep["kind"].as_str() == Some("dev");
-            if workspace.contains(dep_name) && !permitted.contains(dep_name) && !own {
+            let dev = dep["kind"].as_str() == Some("dev");
+            // A crate may dev-depend on itself to turn on a feature for its own tests,
+            // and the engine on the built-in connectors for its examples and benches.
+            let own = dep_name == name && dev;
+            let examples = dev && name == "stillpoint" && dep_name == "stillpoint-connectors";
+            if workspace.contains(dep_name) && !permitted.contains(dep_name) && !own && !examples {
                 offenders.push(format!("{name} depends on {dep_name}"));
             }
         }

@@ -8,11 +8,12 @@ use std::time::SystemTime;
 
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
-use stillpoint::{CheckpointStats, Job};
+use stillpoint::CheckpointStats;
 use stillpoint_backup::{
     JournalConfig, Lease, LeaseConfig, ListingStatus, Retention, Store, StoreOptions, SystemClock,
     VerifyDepth, gc,
 };
+use stillpoint_cli::Job;
 use stillpoint_wire::{CheckpointId, CheckpointManifest};
 
 use crate::progress::{Reporter, bytes};

@@ -43,7 +43,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use stillpoint::{CheckpointStats, Job, JobReport, RunOptions, StopHandle, WordInput};
+use stillpoint::{CheckpointStats, JobReport, RunOptions, StopHandle};
+use stillpoint_cli::Job;
+use stillpoint_connectors::WordInput;
 use stillpoint_wire::NodeId;
 
 #[derive(Debug, Parser)]

@@ -411,7 +411,7 @@ fn the_example_job_files_load_and_run() {
     for entry in std::fs::read_dir(&examples).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
-            stillpoint::Job::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            stillpoint_cli::Job::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             names.push(path.file_name().unwrap().to_string_lossy().into_owned());
         }
     }

@@ -136,7 +136,7 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
         log.contains("failing over"),
         "the kill was not seen:\n{log}"
     );
-    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     let expected = expected(words, 300);
     assert_eq!(output.len(), expected.len(), "lost or duplicated records");
@@ -165,7 +165,7 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let log = std::fs::read_to_string(logs.join("node2-late.log")).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("the job already finished"), "{log}");
-    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     assert_eq!(
         output, expected,
@@ -231,7 +231,7 @@ fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
         log.contains("resuming from checkpoint") && log.contains("→ 4 counters"),
         "the second run did not restore:\n{log}"
     );
-    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     let expected = expected(words, 300);
     assert_eq!(output.len(), expected.len(), "lost or duplicated records");
@@ -337,7 +337,7 @@ fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
             )),
         "the second run did not fall back and replay:\n{log}"
     );
-    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     let expected = expected(words, 300);
     assert_eq!(output.len(), expected.len(), "lost or duplicated records");
@@ -498,7 +498,7 @@ fn strangers_and_wrong_secrets_are_refused_and_change_nothing() {
         &logs.join("coordinator.log"),
         &[&logs.join("node1.log"), &logs.join("node2.log")],
     );
-    let mut output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     output.sort();
     assert_eq!(output, expected(words, 300));
 }

@@ -129,7 +129,7 @@ fn a_store_failing_fifteen_percent_of_operations_stays_exactly_once() {
     let completed = checkpoint_lines(&stdout);
     assert!(completed.len() >= 3, "{stdout}");
 
-    let output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+    let output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
     assert_eq!(
         lost_and_duplicated(&output, &expected(WORDS, VOCABULARY)),
         (0, 0)
@@ -317,7 +317,7 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
                 .unwrap_or_else(|| panic!("{how:?} {victim}: {stdout}"));
             assert!(replayed > 0, "{how:?} {victim}: {stdout}");
             // Exactly the failure-free output, line for line.
-            let output = stillpoint::read_committed(&dir.path().join("out")).unwrap();
+            let output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
             let expected = expected(WORDS, VOCABULARY);
             assert_eq!(
                 lost_and_duplicated(&output, &expected),

@@ -96,7 +96,7 @@ fn log_of(dir: &Path, name: &str) -> String {
 
 /// Checks one finished round's output; the figures for the summary line.
 fn check_round(dir: &Path, expected: &[(String, String)]) -> usize {
-    let mut output = stillpoint::read_committed(&dir.join("out")).unwrap();
+    let mut output = stillpoint_connectors::read_committed(&dir.join("out")).unwrap();
     output.sort();
     let (lost, duplicated) = lost_and_duplicated(&output, expected);
     assert_eq!(

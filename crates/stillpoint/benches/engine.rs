@@ -33,7 +33,8 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use stillpoint::{CheckpointStats, JobConfig, RunOptions, WordCount, WordInput};
+use stillpoint::{CheckpointStats, JobConfig, RunOptions};
+use stillpoint_connectors::{WordCount, WordInput};
 
 // What the `stillpoint` binary runs on (see docs/performance.md: glibc's malloc stalls
 // a task for a long time after a large frozen map is freed).

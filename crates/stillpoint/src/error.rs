@@ -111,11 +111,9 @@ impl EngineError {
         })
     }
 
-    pub(crate) fn io(
-        operation: &'static str,
-        path: impl Into<PathBuf>,
-        error: &std::io::Error,
-    ) -> Self {
+    /// An I/O error naming the operation and the path (for connectors).
+    #[must_use]
+    pub fn io(operation: &'static str, path: impl Into<PathBuf>, error: &std::io::Error) -> Self {
         Self::Io {
             operation,
             path: path.into(),

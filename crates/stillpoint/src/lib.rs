@@ -5,7 +5,8 @@
 //! `stillpoint-backup` (the checkpoint store) into running jobs.
 //!
 //! ```
-//! use stillpoint::{JobConfig, WordCount, read_committed, run_word_count};
+//! use stillpoint::{JobConfig, run_word_count};
+//! use stillpoint_connectors::{WordCount, read_committed};
 //!
 //! let dir = tempfile::tempdir()?;
 //! let mut config = JobConfig::new(dir.path().join("work"));
@@ -37,7 +38,6 @@
 mod auth;
 mod build;
 mod cluster;
-mod config;
 mod coordinator;
 mod dataflow;
 mod driver;
@@ -47,28 +47,22 @@ mod metrics;
 mod net;
 mod pipeline;
 mod record;
-mod sources;
 mod transport;
 
 pub use auth::{ClusterSecret, MIN_SECRET_BYTES};
 pub use cluster::{ClusterConfig, run_coordinator, run_node};
-pub use config::{ConfigError, Job};
 pub use dataflow::{
     Dataflow, OperatorFactory, Partitioning, Published, SinkFactory, SourceFactory, ToDataflow,
 };
 pub use error::EngineError;
 pub use job::{
     CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, Replayed, RunOptions,
-    StartCallback, StopHandle, WordCount, WordInput, checkpoint_history, run, run_word_count,
+    StartCallback, StopHandle, checkpoint_history, run, run_word_count,
 };
 pub use metrics::Metrics;
 pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};
-pub use pipeline::{
-    COUNTS, FileSinkFactory, GeneratedWords, KeyedCount, Operator, Persist, Sink, Source,
-    SourcePoll, TransactionalFileSink, read_committed, recover_transactions,
-};
+pub use pipeline::{Operator, Persist, Sink, Source, SourcePoll};
 pub use record::{BatchError, Record, decode_batch, encode_batch};
-pub use sources::{FileLines, LogDir, MAX_LINE_BYTES};
 /// The keyed state an [`Operator`] works on.
 pub use stillpoint_state::{CachedState, KeyedState, MapState, ValueState};
 

@@ -8,10 +8,8 @@ pub(crate) use rng::Rng;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use stillpoint::{
-    EngineError, GeneratedWords, JobConfig, WordCount, WordInput, checkpoint_history,
-    read_committed, run_word_count,
-};
+use stillpoint::{EngineError, JobConfig, checkpoint_history, run_word_count};
+use stillpoint_connectors::{GeneratedWords, WordCount, WordInput, read_committed};
 
 /// What an exactly-once word count publishes, whatever happened during the run: for a
 /// word seen `n` times in total, the lines `(word, 1) … (word, n)`, each once.

@@ -87,7 +87,7 @@ pub(crate) fn spawn(args: &[&str], job: &Path, log: &Path) -> Child {
 pub(crate) fn expected(words: u64, vocabulary: u32) -> Vec<(String, String)> {
     let mut totals: BTreeMap<String, u64> = BTreeMap::new();
     for index in 0..2 {
-        let source = stillpoint::GeneratedWords::new(42, index, words, vocabulary);
+        let source = stillpoint_connectors::GeneratedWords::new(42, index, words, vocabulary);
         for position in 0..words {
             *totals.entry(source.word(position)).or_default() += 1;
         }

@@ -69,7 +69,8 @@ use stillpoint_backup::{EncryptionKey, FaultConfig, Retention, S3Credentials, St
 use stillpoint_state::{Compression, StateConfig};
 use stillpoint_wire::StreamId;
 
-use crate::{JobConfig, WordCount, WordInput};
+use stillpoint::{ClusterConfig, ClusterSecret, EngineError, JobConfig};
+use stillpoint_connectors::{WordCount, WordInput};
 
 /// A job file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -143,9 +144,9 @@ impl Job {
 }
 
 /// An engine error as the reason a field is refused (without its kind's prefix).
-fn reason(error: crate::EngineError) -> String {
+fn reason(error: EngineError) -> String {
     match error {
-        crate::EngineError::Invalid(reason) => reason,
+        EngineError::Invalid(reason) => reason,
         other => other.to_string(),
     }
 }
@@ -443,11 +444,11 @@ impl JobFile {
         let secret = match cluster.as_ref().map(|c| (&c.secret_file, &c.secret)) {
             None => None,
             Some((Some(path), None)) => Some(
-                crate::ClusterSecret::from_file(path)
+                ClusterSecret::from_file(path)
                     .map_err(|e| invalid("cluster.secret_file", &reason(e)))?,
             ),
             Some((None, Some(text))) => Some(
-                crate::ClusterSecret::new(zeroize::Zeroizing::new(text.clone()).as_bytes())
+                ClusterSecret::new(zeroize::Zeroizing::new(text.clone()).as_bytes())
                     .map_err(|e| invalid("cluster.secret", &reason(e)))?,
             ),
             Some((None, None)) => {
@@ -626,7 +627,7 @@ impl JobFile {
                 ),
             ));
         }
-        config.cluster = cluster.zip(secret).map(|(c, secret)| crate::ClusterConfig {
+        config.cluster = cluster.zip(secret).map(|(c, secret)| ClusterConfig {
             coordinator: c.coordinator,
             nodes: c.nodes,
             connect_timeout: c.connect_timeout,
@@ -848,7 +849,7 @@ input = { kind = "files", paths = ["in.txt"] }
     /// the file; never a panic.
     #[test]
     fn every_cut_and_mangled_example_parses_or_is_one_line() {
-        let documented: String = include_str!("config.rs")
+        let documented: String = include_str!("job_file.rs")
             .lines()
             .filter_map(|l| l.strip_prefix("//! ").or(l.strip_prefix("//!")))
             .skip_while(|l| !l.starts_with("```toml"))

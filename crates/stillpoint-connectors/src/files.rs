@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use stillpoint_wire::SourceOffset;
 
-use crate::{EngineError, Record, Source, SourcePoll};
+use stillpoint::{EngineError, Record, Source, SourcePoll};
 
 /// Longest line a file source accepts (a longer one is an error naming the file and
 /// offset, never an unbounded allocation).
@@ -153,7 +153,7 @@ impl Source for FileLines {
         bound: &SourceOffset,
         out: &mut Vec<Record>,
     ) -> Result<SourcePoll, EngineError> {
-        let bound = crate::pipeline::position_of(bound, "a file source")?;
+        let bound = crate::generated::position_of(bound, "a file source")?;
         match bound.checked_sub(self.position) {
             Some(0) => Ok(SourcePoll::Idle),
             Some(limit) => self.read(max, limit, out),

@@ -1,0 +1,34 @@
+//! A keyed counter: the aggregation of the word count.
+
+use stillpoint::{CachedState, EngineError, KeyedState, Operator, Record};
+
+/// Counts records per key in keyed state (column family `counts`, the record's key
+/// as the state key, the count as 8 bytes big-endian); emits `(key, count)` after
+/// each update.
+#[derive(Debug, Default)]
+pub struct KeyedCount;
+
+/// The column family of [`KeyedCount`].
+pub const COUNTS: &str = "counts";
+
+impl Operator for KeyedCount {
+    fn process(
+        &mut self,
+        record: Record,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let count = match state.get_cached(COUNTS, &record.key, &[])? {
+            None => 0,
+            Some(bytes) => u64::from_be_bytes(bytes.as_slice().try_into().map_err(|_| {
+                EngineError::Invalid(format!(
+                    "a count in state `{COUNTS}` is {} bytes, not 8",
+                    bytes.len()
+                ))
+            })?),
+        } + 1;
+        state.put(COUNTS, &record.key, &[], &count.to_be_bytes())?;
+        out.push(Record::new(record.key, count.to_string()));
+        Ok(())
+    }
+}

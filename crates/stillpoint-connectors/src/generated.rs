@@ -1,0 +1,150 @@
+//! A deterministic bounded source of generated words, for tests, benchmarks and the
+//! embedded default job.
+
+use stillpoint::{EngineError, Record, Source, SourcePoll};
+use stillpoint_wire::SourceOffset;
+
+/// The position a source that counts records or bytes reports as its offset.
+pub(crate) fn position_of(offset: &SourceOffset, what: &str) -> Result<u64, EngineError> {
+    offset
+        .as_u64()
+        .ok_or_else(|| EngineError::Invalid(format!("{what}'s offset is a position")))
+}
+
+/// A deterministic bounded source of words: record `i` of source `index` is a word
+/// drawn from a vocabulary by a hash of `(seed, index, i)`. Offsets are positions.
+#[derive(Clone, Debug)]
+pub struct GeneratedWords {
+    seed: u64,
+    index: u32,
+    total: u64,
+    vocabulary: u32,
+    position: u64,
+}
+
+impl GeneratedWords {
+    /// `total` words over `vocabulary` distinct ones.
+    #[must_use]
+    pub fn new(seed: u64, index: u32, total: u64, vocabulary: u32) -> Self {
+        Self {
+            seed,
+            index,
+            total,
+            vocabulary: vocabulary.max(1),
+            position: 0,
+        }
+    }
+
+    /// The word at `position`.
+    #[must_use]
+    pub fn word(&self, position: u64) -> String {
+        // SplitMix64 of the triple: stable across platforms and releases.
+        let mut z = self
+            .seed
+            .wrapping_add(u64::from(self.index).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .wrapping_add(position.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        format!("w{:05}", z % u64::from(self.vocabulary))
+    }
+}
+
+impl Source for GeneratedWords {
+    fn seek(&mut self, offset: Option<&SourceOffset>) -> Result<(), EngineError> {
+        self.position = match offset {
+            None => 0,
+            Some(offset) => position_of(offset, "a generated source")?,
+        };
+        if self.position > self.total {
+            return Err(EngineError::Invalid(format!(
+                "offset {} is past the end of a source of {} records",
+                self.position, self.total
+            )));
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, max: usize, out: &mut Vec<Record>) -> Result<SourcePoll, EngineError> {
+        Ok(self.generate(self.total, max, out))
+    }
+
+    fn offset(&self) -> SourceOffset {
+        SourceOffset::from_u64(self.position)
+    }
+
+    fn stops_at_offsets(&self) -> bool {
+        true
+    }
+
+    fn poll_until(
+        &mut self,
+        max: usize,
+        bound: &SourceOffset,
+        out: &mut Vec<Record>,
+    ) -> Result<SourcePoll, EngineError> {
+        let bound = position_of(bound, "a generated source")?;
+        if bound > self.total || bound < self.position {
+            return Err(EngineError::Invalid(format!(
+                "a generated source of {} records at {} cannot stop at {bound}",
+                self.total, self.position
+            )));
+        }
+        Ok(self.generate(bound, max, out))
+    }
+}
+
+impl GeneratedWords {
+    /// Appends the words from the position up to `end` (at most `max` of them).
+    fn generate(&mut self, end: u64, max: usize, out: &mut Vec<Record>) -> SourcePoll {
+        if self.position >= self.total {
+            return SourcePoll::Finished;
+        }
+        let end = end.min(self.position.saturating_add(max as u64));
+        if self.position >= end {
+            return SourcePoll::Idle;
+        }
+        for position in self.position..end {
+            out.push(Record::new(self.word(position), bytes::Bytes::new()));
+        }
+        self.position = end;
+        SourcePoll::Records
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_generated_source_stops_exactly_at_a_recorded_offset() {
+        let mut source = GeneratedWords::new(1, 0, 10, 5);
+        assert!(source.stops_at_offsets());
+        let bound = SourceOffset::from_u64(7);
+        let mut out = Vec::new();
+        while source.offset() != bound {
+            assert_eq!(
+                source.poll_until(3, &bound, &mut out).unwrap(),
+                SourcePoll::Records
+            );
+        }
+        assert_eq!(out.len(), 7);
+        assert_eq!(
+            source.poll_until(3, &bound, &mut out).unwrap(),
+            SourcePoll::Idle
+        );
+        for past in [11, 6] {
+            let error = source
+                .poll_until(3, &SourceOffset::from_u64(past), &mut out)
+                .unwrap_err();
+            assert!(
+                error
+                    .to_string()
+                    .contains(&format!("at 7 cannot stop at {past}")),
+                "{error}"
+            );
+        }
+    }
+}
