@@ -11,7 +11,10 @@
 use std::collections::BTreeSet;
 
 use bytes::Bytes;
-use stillpoint_wire::{FrameDecoder, MessageKind, encode_to_bytes};
+use stillpoint_wire::{
+    Envelope, FrameDecoder, MessageKind, Record, decode_batch, encode_batch, encode_to_bytes,
+    read_envelope, write_envelope,
+};
 
 /// `(section heading, bytes)` for every ```hex block.
 fn examples(doc: &str) -> Vec<(String, Vec<u8>)> {
@@ -44,7 +47,10 @@ fn every_example_in_the_wire_format_spec_decodes() {
     let examples = examples(&doc);
     let decoder = FrameDecoder::default();
     let mut covered = BTreeSet::new();
-    for (heading, bytes) in &examples {
+    let frames = examples
+        .iter()
+        .filter(|(heading, _)| heading.starts_with(|c: char| c.is_ascii_digit()));
+    for (heading, bytes) in frames {
         let message = decoder
             .decode_exact(Bytes::copy_from_slice(bytes))
             .unwrap_or_else(|e| panic!("example under `{heading}` does not decode: {e}"));
@@ -66,4 +72,59 @@ fn every_example_in_the_wire_format_spec_decodes() {
         .filter(|k| !covered.contains(k))
         .collect();
     assert!(missing.is_empty(), "no example for {missing:?}");
+}
+
+/// The record batch and envelope examples decode to what their headings say and
+/// re-encode to the same bytes.
+#[test]
+fn the_record_batch_and_envelope_examples_decode() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/wire-format.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let examples = examples(&doc);
+    let find = |prefix: &str| -> Vec<u8> {
+        examples
+            .iter()
+            .find(|(heading, _)| heading.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no example under `{prefix}…`"))
+            .1
+            .clone()
+    };
+    let batch = find("Record batch");
+    let records = decode_batch(&Bytes::from(batch.clone())).unwrap();
+    assert_eq!(
+        records,
+        [Record::new("the", "1"), Record::new("quick", "2")]
+    );
+    assert_eq!(&encode_batch(&records)[..], &batch[..]);
+
+    let decoder = FrameDecoder::default();
+    for (prefix, expect) in [
+        ("Envelope: the Barrier", "wire"),
+        ("Envelope: `{\"type\":\"ready\"", "engine"),
+    ] {
+        let bytes = find(prefix);
+        let envelope = read_envelope(&mut bytes.as_slice(), decoder).unwrap();
+        match (&envelope, expect) {
+            (
+                Envelope::Wire {
+                    generation,
+                    message,
+                },
+                "wire",
+            ) => {
+                assert_eq!(*generation, 3);
+                assert_eq!(message.kind(), MessageKind::Barrier);
+            }
+            (Envelope::Engine(message), "engine") => {
+                assert_eq!(
+                    *message,
+                    stillpoint_wire::EngineMessage::Ready { generation: 3 }
+                );
+            }
+            other => panic!("`{prefix}` decodes to {other:?}"),
+        }
+        let mut again = Vec::new();
+        write_envelope(&mut again, &envelope).unwrap();
+        assert_eq!(again, bytes, "`{prefix}` re-encodes differently");
+    }
 }

@@ -49,8 +49,10 @@
     )
 )]
 
+mod batch;
 mod codec;
 mod digest;
+mod envelope;
 mod hex;
 mod ids;
 mod manifest;
@@ -58,11 +60,13 @@ mod message;
 mod offset;
 mod path;
 
+pub use batch::{BatchError, Record, decode_batch, encode_batch};
 pub use codec::{
     DEFAULT_MAX_PAYLOAD_LEN, EncodeError, FORMAT_VERSION, FieldProblem, FrameDecoder, FrameError,
     HEADER_LEN, MAGIC, MAX_TEXT_LEN, encode, encode_to_bytes, encode_with_limit,
 };
 pub use digest::{DigestParseError, Sha256Digest};
+pub use envelope::{EngineMessage, Envelope, EnvelopeError, read_envelope, write_envelope};
 pub use hex::{HexError, decode as decode_hex, encode as encode_hex};
 pub use ids::{CheckpointId, CheckpointKind, NodeId, StreamId, TaskId, TransId};
 pub use manifest::{

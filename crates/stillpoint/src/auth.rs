@@ -27,7 +27,7 @@ use stillpoint_wire::FrameDecoder;
 use zeroize::Zeroizing;
 
 use crate::EngineError;
-use crate::net::{EngineMessage, Envelope, read_envelope, write_envelope};
+use stillpoint_wire::{EngineMessage, Envelope, read_envelope, write_envelope};
 
 /// Shortest cluster secret accepted.
 pub const MIN_SECRET_BYTES: usize = 16;

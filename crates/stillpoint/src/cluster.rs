@@ -24,7 +24,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use stillpoint_backup::{Lease, Store, StoreError, SystemClock};
 use stillpoint_state::KeyGroups;
 use stillpoint_wire::{
-    CheckpointId, FrameDecoder, Message, NodeId, SourceOffset, SourcePosition, TaskId,
+    CheckpointId, EngineMessage, Envelope, FrameDecoder, Message, NodeId, SourceOffset,
+    SourcePosition, TaskId, read_envelope,
 };
 
 use crate::auth::{self, ClusterSecret};
@@ -38,10 +39,7 @@ use crate::job::{
     coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
 };
 use crate::metrics::{Metrics, Served};
-use crate::net::{
-    EdgeEnd, EngineMessage, Envelope, connect_retrying, edge_receiver, edge_sender, read_envelope,
-    writer_loop,
-};
+use crate::net::{EdgeEnd, connect_retrying, edge_receiver, edge_sender, writer_loop};
 use crate::transport::{CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, RunOptions, ToDataflow};
 

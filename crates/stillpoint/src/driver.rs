@@ -16,9 +16,9 @@ use stillpoint_wire::{
     CheckpointId, Data, Message, NodeId, SnapshotReport, SourceOffset, StreamId, TaskId,
 };
 
-use crate::record::{decode_batch, encode_batch};
 use crate::transport::{CoordinatorInput, Links};
 use crate::{EngineError, Operator, Record, Sink, Source, SourcePoll};
+use stillpoint_wire::{decode_batch, encode_batch};
 
 /// What a task does with records.
 pub(crate) enum Role {

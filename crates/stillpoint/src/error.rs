@@ -22,7 +22,7 @@ pub enum EngineError {
     TaskConfig(#[from] stillpoint_task::ConfigError),
     /// A `Data` payload did not decode.
     #[error("records: {0}")]
-    Batch(#[from] crate::record::BatchError),
+    Batch(#[from] stillpoint_wire::BatchError),
     /// A local file operation failed.
     #[error("{operation} {path}: {message}")]
     Io {

@@ -46,7 +46,6 @@ mod job;
 mod metrics;
 mod net;
 mod pipeline;
-mod record;
 mod transport;
 
 pub use auth::{ClusterSecret, MIN_SECRET_BYTES};
@@ -60,11 +59,11 @@ pub use job::{
     StartCallback, StopHandle, checkpoint_history, run, run_word_count,
 };
 pub use metrics::Metrics;
-pub use net::{EngineMessage, Envelope, NetError, read_envelope, write_envelope};
 pub use pipeline::{Operator, Persist, Sink, Source, SourcePoll};
-pub use record::{BatchError, Record, decode_batch, encode_batch};
 /// The keyed state an [`Operator`] works on.
 pub use stillpoint_state::{CachedState, KeyedState, MapState, ValueState};
+pub use stillpoint_wire::{BatchError, Record, decode_batch, encode_batch};
+pub use stillpoint_wire::{EngineMessage, Envelope, EnvelopeError, read_envelope, write_envelope};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

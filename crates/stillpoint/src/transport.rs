@@ -27,7 +27,7 @@ pub(crate) enum CoordinatorInput {
     Connected {
         node: NodeId,
         connection: u64,
-        writer: crossbeam_channel::Sender<crate::net::Envelope>,
+        writer: crossbeam_channel::Sender<stillpoint_wire::Envelope>,
     },
     /// A node's connection to the coordinator broke (cluster mode).
     NodeLost {
@@ -38,7 +38,7 @@ pub(crate) enum CoordinatorInput {
     /// A node's engine-level message (cluster mode).
     Node {
         node: NodeId,
-        message: crate::net::EngineMessage,
+        message: stillpoint_wire::EngineMessage,
     },
 }
 

@@ -1,7 +1,9 @@
-//! Records and the payload of a `Data` message: a batch of key/value records.
+//! Records and the payload of a `Data` message: a batch of key/value records
+//! (`docs/wire-format.md`, "Record batch").
 //!
-//! Payload: per record, key length (u32 BE) · key · value length (u32 BE) · value.
-//! Decoding never trusts a length past the bytes present.
+//! Payload: per record, key length (u32 LE) · key · value length (u32 LE) · value.
+//! Decoding never trusts a length past the bytes present, and shares the payload's
+//! buffer (no copy).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
@@ -46,7 +48,7 @@ pub fn encode_batch(records: &[Record]) -> Bytes {
         for part in [&record.key, &record.value] {
             // Record parts are far below 4 GiB: keys and values come from batches that
             // themselves fit a frame.
-            out.put_u32(u32::try_from(part.len()).unwrap_or(u32::MAX));
+            out.put_u32_le(u32::try_from(part.len()).unwrap_or(u32::MAX));
             out.put_slice(part);
         }
     }
@@ -66,7 +68,7 @@ pub fn decode_batch(payload: &Bytes) -> Result<Vec<Record>, BatchError> {
                 problem: "truncated length",
             });
         }
-        let len = usize::try_from(rest.get_u32()).unwrap_or(usize::MAX);
+        let len = usize::try_from(rest.get_u32_le()).unwrap_or(usize::MAX);
         if rest.remaining() < len {
             return Err(BatchError {
                 offset,
