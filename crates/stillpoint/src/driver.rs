@@ -4,8 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
@@ -177,7 +176,7 @@ pub(crate) struct TaskDriver {
     pub(crate) epoch: Instant,
     pub(crate) batch: usize,
     /// Records this task took in (read or received), for the metrics.
-    pub(crate) records: Arc<AtomicU64>,
+    pub(crate) records: prometheus_client::metrics::counter::Counter,
     /// A replay up to published output ([`Replay`]): what this task does until it.
     pub(crate) replay: ReplayRole,
     blocked: BTreeSet<TaskId>,
@@ -239,7 +238,7 @@ impl TaskDriver {
             snapshots,
             epoch,
             batch: 256,
-            records: Arc::new(AtomicU64::new(0)),
+            records: prometheus_client::metrics::counter::Counter::default(),
             replay: ReplayRole::None,
             blocked: BTreeSet::new(),
             queued_barriers: VecDeque::new(),
@@ -352,8 +351,7 @@ impl TaskDriver {
         let mut records = Vec::with_capacity(self.batch);
         match source.poll(self.batch, &mut records)? {
             SourcePoll::Records => {
-                self.records
-                    .fetch_add(records.len() as u64, Ordering::Relaxed);
+                self.records.inc_by(records.len() as u64);
                 self.emit(records)
             }
             SourcePoll::Idle => self.idle(Duration::from_millis(1)),
@@ -392,8 +390,7 @@ impl TaskDriver {
             let mut records = Vec::with_capacity(self.batch);
             return match source.poll_until(self.batch, bound, &mut records)? {
                 SourcePoll::Records => {
-                    self.records
-                        .fetch_add(records.len() as u64, Ordering::Relaxed);
+                    self.records.inc_by(records.len() as u64);
                     self.emit(records)
                 }
                 SourcePoll::Idle => self.idle(Duration::from_millis(1)),
@@ -503,8 +500,7 @@ impl TaskDriver {
 
     fn process(&mut self, data: &Data) -> Result<(), EngineError> {
         let records = decode_batch(&data.payload)?;
-        self.records
-            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        self.records.inc_by(records.len() as u64);
         match &mut self.role {
             Role::Operator(operator) => {
                 let mut out = Vec::with_capacity(records.len());

@@ -1,205 +1,180 @@
-//! Job metrics and their Prometheus text endpoint: a small HTTP/1.1 responder on a
+//! Job metrics (prometheus-client) and their endpoint: a small HTTP/1.1 responder on a
 //! local port serving `GET /metrics` (anything else is 404), on its own thread,
 //! until the job ends.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use stillpoint_wire::{NodeId, TaskId};
 
 use crate::transport::Signals;
 use crate::{CheckpointStats, EngineError};
 
-/// Counters and gauges of one running job, updated by its threads.
-#[derive(Debug, Default)]
+/// Counters and gauges of one running job, updated by its threads; exposed in the
+/// OpenMetrics text format by prometheus-client.
 pub struct Metrics {
-    records: BTreeMap<TaskId, Arc<AtomicU64>>,
-    completed: AtomicU64,
-    aborted: AtomicU64,
-    last_checkpoint: AtomicU64,
-    last_duration_micros: AtomicU64,
-    last_stall_micros: AtomicU64,
-    last_alignment_micros: AtomicU64,
-    state_bytes: AtomicU64,
-    uploaded_bytes_total: AtomicU64,
-    restored_from: AtomicU64,
-    /// Set for a cluster node's metrics: its tasks' counters only (the coordinator
-    /// serves the checkpoints'), each sample labelled with the node.
-    node: Option<NodeId>,
+    registry: Registry,
+    records: BTreeMap<TaskId, Counter>,
+    completed: Counter,
+    aborted: Counter,
+    last_checkpoint: Gauge,
+    last_duration: Gauge<f64, AtomicU64>,
+    last_stall: Gauge<f64, AtomicU64>,
+    last_alignment: Gauge<f64, AtomicU64>,
+    state_bytes: Gauge,
+    uploaded_bytes: Counter,
+    restored_from: Gauge,
 }
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("tasks", &self.records.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A task's labels: its id, and its node's on a cluster node.
+type TaskLabels = Vec<(&'static str, String)>;
 
 impl Metrics {
     /// Metrics for a job of these tasks.
     pub(crate) fn new(tasks: &[TaskId]) -> Self {
-        Self {
-            records: tasks
-                .iter()
-                .map(|t| (*t, Arc::new(AtomicU64::new(0))))
-                .collect(),
-            ..Self::default()
-        }
+        Self::with(None, tasks)
     }
 
-    /// Metrics of cluster node `node`, running `tasks`.
+    /// Metrics of cluster node `node`, running `tasks`: its tasks' counters only (the
+    /// coordinator serves the checkpoints'), each labelled with the node.
     pub(crate) fn for_node(node: NodeId, tasks: &[TaskId]) -> Self {
-        Self {
-            node: Some(node),
-            ..Self::new(tasks)
+        Self::with(Some(node), tasks)
+    }
+
+    fn with(node: Option<NodeId>, tasks: &[TaskId]) -> Self {
+        let mut registry = Registry::default();
+        let family = Family::<TaskLabels, Counter>::default();
+        registry.register(
+            "stillpoint_task_records",
+            "Records each task took in",
+            family.clone(),
+        );
+        let records = tasks
+            .iter()
+            .map(|task| {
+                let mut labels = vec![("task", task.get().to_string())];
+                if let Some(node) = node {
+                    labels.push(("node", node.get().to_string()));
+                }
+                (*task, family.get_or_create(&labels).clone())
+            })
+            .collect();
+        let metrics = Self {
+            registry,
+            records,
+            completed: Counter::default(),
+            aborted: Counter::default(),
+            last_checkpoint: Gauge::default(),
+            last_duration: Gauge::default(),
+            last_stall: Gauge::default(),
+            last_alignment: Gauge::default(),
+            state_bytes: Gauge::default(),
+            uploaded_bytes: Counter::default(),
+            restored_from: Gauge::default(),
+        };
+        if node.is_some() {
+            return metrics;
         }
+        let mut metrics = metrics;
+        let r = &mut metrics.registry;
+        r.register(
+            "stillpoint_checkpoints_completed",
+            "Checkpoints completed by this run",
+            metrics.completed.clone(),
+        );
+        r.register(
+            "stillpoint_checkpoints_aborted",
+            "Checkpoints aborted by this run",
+            metrics.aborted.clone(),
+        );
+        r.register(
+            "stillpoint_last_checkpoint_id",
+            "The newest completed checkpoint",
+            metrics.last_checkpoint.clone(),
+        );
+        r.register(
+            "stillpoint_last_checkpoint_duration_seconds",
+            "Trigger to commit of the newest completed checkpoint",
+            metrics.last_duration.clone(),
+        );
+        r.register(
+            "stillpoint_last_checkpoint_stall_seconds",
+            "Longest synchronous snapshot of any task in the newest checkpoint",
+            metrics.last_stall.clone(),
+        );
+        r.register(
+            "stillpoint_last_checkpoint_alignment_seconds",
+            "Longest barrier alignment of any task in the newest checkpoint",
+            metrics.last_alignment.clone(),
+        );
+        r.register(
+            "stillpoint_state_bytes",
+            "Full state size of the newest checkpoint",
+            metrics.state_bytes.clone(),
+        );
+        r.register(
+            "stillpoint_uploaded_bytes",
+            "Bytes uploaded to the store by this run's checkpoints",
+            metrics.uploaded_bytes.clone(),
+        );
+        r.register(
+            "stillpoint_restored_from_checkpoint",
+            "The checkpoint this run restored from (0: none)",
+            metrics.restored_from.clone(),
+        );
+        metrics
     }
 
     /// The record counter of `task` (records it took in: read, or received).
-    pub(crate) fn records_of(&self, task: TaskId) -> Arc<AtomicU64> {
-        self.records
-            .get(&task)
-            .cloned()
-            .unwrap_or_else(|| Arc::new(AtomicU64::new(0)))
+    pub(crate) fn records_of(&self, task: TaskId) -> Counter {
+        self.records.get(&task).cloned().unwrap_or_default()
     }
 
     pub(crate) fn checkpoint_completed(&self, stats: &CheckpointStats) {
-        self.completed.fetch_add(1, Ordering::Relaxed);
-        self.last_checkpoint
-            .store(stats.checkpoint, Ordering::Relaxed);
-        self.last_duration_micros.store(
-            stats.duration_millis.saturating_mul(1000),
-            Ordering::Relaxed,
-        );
-        self.last_stall_micros
-            .store(stats.max_sync_micros, Ordering::Relaxed);
-        self.last_alignment_micros
-            .store(stats.max_alignment_micros, Ordering::Relaxed);
-        self.state_bytes.store(stats.state_bytes, Ordering::Relaxed);
-        self.uploaded_bytes_total
-            .fetch_add(stats.uploaded_bytes, Ordering::Relaxed);
+        let whole = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let seconds = |micros: u64| micros as f64 / 1e6;
+        self.completed.inc();
+        self.last_checkpoint.set(whole(stats.checkpoint));
+        self.last_duration.set(stats.duration_millis as f64 / 1e3);
+        self.last_stall.set(seconds(stats.max_sync_micros));
+        self.last_alignment.set(seconds(stats.max_alignment_micros));
+        self.state_bytes.set(whole(stats.state_bytes));
+        self.uploaded_bytes.inc_by(stats.uploaded_bytes);
     }
 
     pub(crate) fn checkpoint_aborted(&self) {
-        self.aborted.fetch_add(1, Ordering::Relaxed);
+        self.aborted.inc();
     }
 
     pub(crate) fn restored(&self, checkpoint: u64) {
-        self.restored_from.store(checkpoint, Ordering::Relaxed);
+        self.restored_from
+            .set(i64::try_from(checkpoint).unwrap_or(i64::MAX));
     }
 
-    /// The Prometheus text exposition (format 0.0.4).
+    /// The OpenMetrics text exposition.
     #[must_use]
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            out.push_str(&value);
-        };
-        let load = |v: &AtomicU64| v.load(Ordering::Relaxed);
-        let seconds = |micros: u64| format!("{:.6}", micros as f64 / 1e6);
-        let mut records = String::new();
-        let node = self
-            .node
-            .map_or_else(String::new, |n| format!(",node=\"{}\"", n.get()));
-        for (task, counter) in &self.records {
-            let _ = writeln!(
-                records,
-                "stillpoint_task_records_total{{task=\"{}\"{node}}} {}",
-                task.get(),
-                load(counter)
-            );
-        }
-        metric(
-            "stillpoint_task_records_total",
-            "counter",
-            "Records each task took in.",
-            records,
-        );
-        if self.node.is_some() {
-            return out;
-        }
-        let plain = |name: &str, value: String| format!("{name} {value}\n");
-        metric(
-            "stillpoint_checkpoints_completed_total",
-            "counter",
-            "Checkpoints completed by this run.",
-            plain(
-                "stillpoint_checkpoints_completed_total",
-                load(&self.completed).to_string(),
-            ),
-        );
-        metric(
-            "stillpoint_checkpoints_aborted_total",
-            "counter",
-            "Checkpoints aborted by this run.",
-            plain(
-                "stillpoint_checkpoints_aborted_total",
-                load(&self.aborted).to_string(),
-            ),
-        );
-        metric(
-            "stillpoint_last_checkpoint_id",
-            "gauge",
-            "The newest completed checkpoint.",
-            plain(
-                "stillpoint_last_checkpoint_id",
-                load(&self.last_checkpoint).to_string(),
-            ),
-        );
-        metric(
-            "stillpoint_last_checkpoint_duration_seconds",
-            "gauge",
-            "Trigger to commit of the newest completed checkpoint.",
-            plain(
-                "stillpoint_last_checkpoint_duration_seconds",
-                seconds(load(&self.last_duration_micros)),
-            ),
-        );
-        metric(
-            "stillpoint_last_checkpoint_stall_seconds",
-            "gauge",
-            "Longest synchronous snapshot of any task in the newest checkpoint.",
-            plain(
-                "stillpoint_last_checkpoint_stall_seconds",
-                seconds(load(&self.last_stall_micros)),
-            ),
-        );
-        metric(
-            "stillpoint_last_checkpoint_alignment_seconds",
-            "gauge",
-            "Longest barrier alignment of any task in the newest checkpoint.",
-            plain(
-                "stillpoint_last_checkpoint_alignment_seconds",
-                seconds(load(&self.last_alignment_micros)),
-            ),
-        );
-        metric(
-            "stillpoint_state_bytes",
-            "gauge",
-            "Full state size of the newest checkpoint.",
-            plain(
-                "stillpoint_state_bytes",
-                load(&self.state_bytes).to_string(),
-            ),
-        );
-        metric(
-            "stillpoint_uploaded_bytes_total",
-            "counter",
-            "Bytes uploaded to the store by this run's checkpoints.",
-            plain(
-                "stillpoint_uploaded_bytes_total",
-                load(&self.uploaded_bytes_total).to_string(),
-            ),
-        );
-        metric(
-            "stillpoint_restored_from_checkpoint",
-            "gauge",
-            "The checkpoint this run restored from (0: none).",
-            plain(
-                "stillpoint_restored_from_checkpoint",
-                load(&self.restored_from).to_string(),
-            ),
-        );
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
         out
     }
 }
@@ -294,7 +269,11 @@ fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
     let mut parts = line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let (status, content_type, body) = if method == "GET" && path == "/metrics" {
-        ("200 OK", "text/plain; version=0.0.4", metrics.render())
+        (
+            "200 OK",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            metrics.render(),
+        )
     } else {
         (
             "404 Not Found",
@@ -325,9 +304,7 @@ mod tests {
     #[test]
     fn the_endpoint_serves_prometheus_text_and_stops_with_the_job() {
         let metrics = Arc::new(Metrics::new(&[TaskId(1), TaskId(2)]));
-        metrics
-            .records_of(TaskId(2))
-            .fetch_add(7, Ordering::Relaxed);
+        metrics.records_of(TaskId(2)).inc_by(7);
         metrics.checkpoint_completed(&CheckpointStats {
             checkpoint: 4,
             kind: "checkpoint".to_owned(),
@@ -350,10 +327,11 @@ mod tests {
             "stillpoint_task_records_total{task=\"2\"} 7",
             "stillpoint_checkpoints_completed_total 1",
             "stillpoint_last_checkpoint_id 4",
-            "stillpoint_last_checkpoint_duration_seconds 0.120000",
-            "stillpoint_last_checkpoint_stall_seconds 0.000250",
+            "stillpoint_last_checkpoint_duration_seconds 0.12\n",
+            "stillpoint_last_checkpoint_stall_seconds 0.00025\n",
             "stillpoint_uploaded_bytes_total 100",
             "# TYPE stillpoint_state_bytes gauge",
+            "# EOF\n",
         ] {
             assert!(response.contains(line), "missing {line}: {response}");
         }
@@ -365,9 +343,7 @@ mod tests {
     #[test]
     fn a_node_serves_its_own_tasks_labelled_with_the_node() {
         let metrics = Metrics::for_node(NodeId(2), &[TaskId(2), TaskId(4)]);
-        metrics
-            .records_of(TaskId(4))
-            .fetch_add(3, Ordering::Relaxed);
+        metrics.records_of(TaskId(4)).inc_by(3);
         let text = metrics.render();
         assert!(
             text.contains("stillpoint_task_records_total{task=\"4\",node=\"2\"} 3"),
@@ -387,7 +363,7 @@ mod tests {
         let address = taken.local_addr().unwrap();
         let error = serve(
             address,
-            Arc::new(Metrics::default()),
+            Arc::new(Metrics::new(&[])),
             Arc::new(Signals::default()),
         )
         .unwrap_err();
