@@ -64,14 +64,14 @@ impl EncryptionKey {
     /// The key as 64 hexadecimal digits (to hand to a user once, at creation).
     #[must_use]
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        stillpoint_wire::encode_hex(&self.0)
     }
 
     /// The first 8 bytes of SHA-256 of the key, in hex: safe to log and compare.
     #[must_use]
     pub fn fingerprint(&self) -> String {
         let digest = Sha256::digest(self.0);
-        digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+        stillpoint_wire::encode_hex(digest.get(..8).unwrap_or_default())
     }
 
     fn parse(text: &str, origin: &str) -> Result<Self, StoreError> {
@@ -83,11 +83,17 @@ impl EncryptionKey {
         if text.len() != 64 {
             return Err(invalid("expected 64 hexadecimal digits (32 bytes)"));
         }
+        // Upper-case digits are accepted (keys are typed and pasted by people).
+        let lower = zeroize::Zeroizing::new(text.to_ascii_lowercase());
+        let decoded = zeroize::Zeroizing::new(
+            stillpoint_wire::decode_hex(&lower).map_err(|_| invalid("not hexadecimal"))?,
+        );
         let mut bytes = [0u8; 32];
-        for (byte, pair) in bytes.iter_mut().zip(text.as_bytes().chunks_exact(2)) {
-            let digits = std::str::from_utf8(pair).map_err(|_| invalid("not hexadecimal"))?;
-            *byte = u8::from_str_radix(digits, 16).map_err(|_| invalid("not hexadecimal"))?;
-        }
+        bytes.copy_from_slice(
+            decoded
+                .get(..32)
+                .ok_or_else(|| invalid("not hexadecimal"))?,
+        );
         Ok(Self(bytes))
     }
 }

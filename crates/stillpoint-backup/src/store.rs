@@ -1422,20 +1422,8 @@ async fn link_verified(
 }
 
 fn hash_file(path: &Path) -> Result<Sha256Digest, StoreError> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| StoreError::local("open", path, &e))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(|e| StoreError::local("read", path, &e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(buf.get(..n).unwrap_or_default());
-    }
-    Ok(Sha256Digest(hasher.finalize().into()))
+    let file = std::fs::File::open(path).map_err(|e| StoreError::local("open", path, &e))?;
+    Sha256Digest::of_reader(file).map_err(|e| StoreError::local("read", path, &e))
 }
 
 fn build_operator(

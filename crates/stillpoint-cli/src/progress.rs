@@ -8,18 +8,7 @@ use stillpoint_backup::{Progress, TransferEvent, TransferKind};
 
 /// Human-readable bytes (binary units).
 pub(crate) fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.1} {}", UNITS.get(unit).copied().unwrap_or("B"))
-    }
+    indicatif::HumanBytes(n).to_string()
 }
 
 fn verb(kind: TransferKind) -> &'static str {
@@ -90,7 +79,7 @@ mod tests {
     #[test]
     fn bytes_read_like_a_person_writes_them() {
         assert_eq!(super::bytes(512), "512 B");
-        assert_eq!(super::bytes(1536), "1.5 KiB");
-        assert_eq!(super::bytes(3 << 30), "3.0 GiB");
+        assert_eq!(super::bytes(1536), "1.50 KiB");
+        assert_eq!(super::bytes(3 << 30), "3.00 GiB");
     }
 }

@@ -4,13 +4,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use rocksdb::checkpoint::Checkpoint;
 use rocksdb::{DB, IngestExternalFileOptions, SstFileWriter};
-use sha2::{Digest as _, Sha256};
 use stillpoint_wire::{
     BackendInfo, CheckpointId, KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile,
     SnapshotManifest,
@@ -35,19 +33,8 @@ pub(crate) struct DigestCache {
 pub(crate) type SharedDigests = Arc<Mutex<DigestCache>>;
 
 fn hash_file(path: &Path) -> Result<Sha256Digest, StateError> {
-    let mut file = File::open(path).map_err(StateError::io("opening", path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0_u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(StateError::io("reading", path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(buf.get(..n).unwrap_or_default());
-    }
-    Ok(Sha256Digest(hasher.finalize().into()))
+    let file = File::open(path).map_err(StateError::io("opening", path))?;
+    Sha256Digest::of_reader(file).map_err(StateError::io("reading", path))
 }
 
 fn is_sst(name: &str) -> bool {

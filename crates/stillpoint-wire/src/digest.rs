@@ -30,6 +30,21 @@ impl Sha256Digest {
     }
 
     /// Parses 64 lower-case hex characters.
+    /// The SHA-256 of everything `reader` yields, read in 1 MiB blocks (the one
+    /// file-hash helper of the workspace: state snapshots and the store use it).
+    pub fn of_reader(mut reader: impl std::io::Read) -> std::io::Result<Self> {
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0_u8; 1 << 20];
+        loop {
+            let n = reader.read(&mut buf)?;
+            if n == 0 {
+                return Ok(Self(hasher.finalize().into()));
+            }
+            hasher.update(buf.get(..n).unwrap_or_default());
+        }
+    }
+
+    /// A digest from its 64 lower-case hexadecimal digits.
     pub fn from_hex(text: &str) -> Result<Self, DigestParseError> {
         if text.len() != 64 {
             return Err(DigestParseError::WrongLength(text.len()));
