@@ -53,6 +53,48 @@ fn cluster_table() -> String {
     )
 }
 
+/// A coordinator and two nodes of `job`, logging to `logs/{coordinator,node1,node2}{tag}.log`.
+fn start_cluster(job: &Path, logs: &Path, tag: &str) -> Vec<Child> {
+    vec![
+        spawn(
+            &["coordinator"],
+            job,
+            &logs.join(format!("coordinator{tag}.log")),
+        ),
+        spawn(
+            &["node", "--node", "1"],
+            job,
+            &logs.join(format!("node1{tag}.log")),
+        ),
+        spawn(
+            &["node", "--node", "2"],
+            job,
+            &logs.join(format!("node2{tag}.log")),
+        ),
+    ]
+}
+
+/// SIGKILLs every process of a cluster.
+fn kill_all(processes: &mut [Child]) {
+    for process in processes {
+        process.kill().unwrap(); // SIGKILL
+        process.wait().unwrap();
+    }
+}
+
+/// Runs a cluster of `job` to its end ([`finish`]); the coordinator's log.
+fn run_cluster(job: &Path, logs: &Path, tag: &str) -> String {
+    let mut processes = start_cluster(job, logs, tag);
+    let mut nodes = processes.split_off(1);
+    let log = |name: &str| logs.join(format!("{name}{tag}.log"));
+    finish(
+        &mut processes[0],
+        &mut nodes,
+        &log("coordinator"),
+        &[&log("node1"), &log("node2")],
+    )
+}
+
 /// The body of `GET /metrics` on a local port.
 fn scrape(port: u16) -> String {
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -200,33 +242,16 @@ fn a_cluster_restarted_with_other_parallelism_rescales_across_processes() {
     };
     let logs = dir.path();
     write(3);
-    let mut first = vec![
-        spawn(&["coordinator"], &job, &logs.join("coordinator.log")),
-        spawn(&["node", "--node", "1"], &job, &logs.join("node1.log")),
-        spawn(&["node", "--node", "2"], &job, &logs.join("node2.log")),
-    ];
+    let mut first = start_cluster(&job, logs, "");
     let deadline = Instant::now() + Duration::from_secs(60);
     let committed = dir.path().join("data/store/checkpoints");
     while std::fs::read_dir(&committed).map_or(0, |d| d.count()) < 2 {
         assert!(Instant::now() < deadline, "no checkpoint within 60 s");
         std::thread::sleep(Duration::from_millis(20));
     }
-    for process in &mut first {
-        process.kill().unwrap(); // SIGKILL
-        process.wait().unwrap();
-    }
+    kill_all(&mut first);
     write(4);
-    let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator-2.log"));
-    let mut nodes = [
-        spawn(&["node", "--node", "1"], &job, &logs.join("node1-2.log")),
-        spawn(&["node", "--node", "2"], &job, &logs.join("node2-2.log")),
-    ];
-    let log = finish(
-        &mut coordinator,
-        &mut nodes,
-        &logs.join("coordinator-2.log"),
-        &[&logs.join("node1-2.log"), &logs.join("node2-2.log")],
-    );
+    let log = run_cluster(&job, logs, "-2");
     assert!(
         log.contains("resuming from checkpoint") && log.contains("→ 4 counters"),
         "the second run did not restore:\n{log}"
@@ -262,11 +287,7 @@ fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
         &cluster_table(),
     );
     let logs = dir.path();
-    let mut first = vec![
-        spawn(&["coordinator"], &job, &logs.join("coordinator.log")),
-        spawn(&["node", "--node", "1"], &job, &logs.join("node1.log")),
-        spawn(&["node", "--node", "2"], &job, &logs.join("node2.log")),
-    ];
+    let mut first = start_cluster(&job, logs, "");
     let store = dir.path().join("data/store/checkpoints");
     let commits = dir.path().join("out/commits");
     let committed = || -> Vec<u64> {
@@ -301,10 +322,7 @@ fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    for process in &mut first {
-        process.kill().unwrap(); // SIGKILL
-        process.wait().unwrap();
-    }
+    kill_all(&mut first);
     // Damage the newest recorded checkpoint and any committed after it: the restart
     // restores the one before and falls back past published output.
     let newest = *recorded().last().unwrap();
@@ -318,17 +336,7 @@ fn a_cluster_falling_back_past_published_output_replays_it_exactly() {
         std::fs::write(&manifest, bytes).unwrap();
     }
 
-    let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator-2.log"));
-    let mut nodes = [
-        spawn(&["node", "--node", "1"], &job, &logs.join("node1-2.log")),
-        spawn(&["node", "--node", "2"], &job, &logs.join("node2-2.log")),
-    ];
-    let log = finish(
-        &mut coordinator,
-        &mut nodes,
-        &logs.join("coordinator-2.log"),
-        &[&logs.join("node1-2.log"), &logs.join("node2-2.log")],
-    );
+    let log = run_cluster(&job, logs, "-2");
     assert!(
         log.contains(&format!("checkpoint {newest} does not verify, skipped"))
             && log.contains(&format!("resuming from checkpoint {restored} "))

@@ -17,7 +17,7 @@ use stillpoint_wire::{
     CheckpointId, CheckpointManifest, Message, NodeId, SnapshotManifest, TaskId,
 };
 
-use crate::dataflow::{Replay, StageKind};
+use crate::dataflow::{Bounds, StageKind};
 use crate::driver::{
     ExportJob, ExportOutcome, Partitioner, ReplayRole, Role, TaskDriver, export_loop,
 };
@@ -447,8 +447,8 @@ pub(crate) struct Builder<'a> {
     pub(crate) node: NodeId,
     pub(crate) metrics: &'a Metrics,
     pub(crate) restore: Option<&'a Restore>,
-    /// A replay up to the end of published output, if the restore needs one.
-    pub(crate) replay: Option<&'a Replay>,
+    /// Where each source stops, when the restore replays up to published output.
+    pub(crate) replay: Option<&'a Bounds>,
 }
 
 impl Builder<'_> {
@@ -582,7 +582,7 @@ impl Builder<'_> {
         driver.records = self.metrics.records_of(task);
         driver.replay = match (self.replay, &stage.kind) {
             (Some(replay), StageKind::Source(_)) => ReplayRole::Source {
-                bound: replay.bounds.get(&task).cloned().ok_or_else(|| {
+                bound: replay.get(&task).cloned().ok_or_else(|| {
                     EngineError::Invalid(format!("{task} has no bound in the replay"))
                 })?,
                 reported: false,

@@ -34,7 +34,7 @@ use crate::build::{
     is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
-use crate::dataflow::Replay;
+use crate::dataflow::Bounds;
 use crate::job::{
     coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
 };
@@ -359,7 +359,7 @@ pub fn run_coordinator(
                 flow: &flow,
                 sources: topology.sources.clone(),
                 stages: topology.parallelisms(),
-                seen: Seen::replaying(plan.replay.as_ref()),
+                seen: Seen::replaying(plan.replay.as_ref().map(|r| &r.bounds)),
                 backoff: gc_backoff(),
                 report: &mut report,
                 metrics: Arc::clone(&metrics),
@@ -1206,15 +1206,12 @@ impl NodeState<'_> {
                             continue;
                         };
                         self.tokens.set(generation, token.clone());
-                        let replay = replay.map(|bounds| Replay {
-                            through: checkpoint.map_or(CheckpointId(0), CheckpointId),
-                            bounds: bounds.into_iter().map(|p| (p.task, p.offset)).collect(),
-                            records: 0,
-                        });
+                        let bounds: Option<Bounds> = replay
+                            .map(|bounds| bounds.into_iter().map(|p| (p.task, p.offset)).collect());
                         current = self.start(
                             generation,
                             checkpoint.map(CheckpointId),
-                            (replay.as_ref(), &token),
+                            (bounds.as_ref(), &token),
                             writer,
                         )?;
                     }
@@ -1262,7 +1259,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         checkpoint: Option<CheckpointId>,
-        (replay, token): (Option<&Replay>, &[u8]),
+        (replay, token): (Option<&Bounds>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<Option<Generation>, EngineError> {
         let local: Vec<TaskId> = self
@@ -1329,7 +1326,7 @@ impl NodeState<'_> {
         &mut self,
         g: u64,
         local: &[TaskId],
-        restore: (Option<&Restore>, Option<&Replay>, &[u8]),
+        restore: (Option<&Restore>, Option<&Bounds>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<Generation, EngineError> {
         let mut generation = Generation {
@@ -1354,7 +1351,7 @@ impl NodeState<'_> {
         &mut self,
         generation: &mut Generation,
         local: &[TaskId],
-        (restore, replay, token): (Option<&Restore>, Option<&Replay>, &[u8]),
+        (restore, replay, token): (Option<&Restore>, Option<&Bounds>, &[u8]),
         writer: &Sender<Envelope>,
     ) -> Result<(), EngineError> {
         let g = generation.generation;

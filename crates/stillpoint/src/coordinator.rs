@@ -67,11 +67,11 @@ pub(crate) struct Seen {
 }
 
 impl Seen {
-    /// A run's bookkeeping at its start: with the sources of `replay` replaying.
-    pub(crate) fn replaying(replay: Option<&crate::dataflow::Replay>) -> Self {
+    /// A run's bookkeeping at its start: with the sources of `bounds` replaying.
+    pub(crate) fn replaying(bounds: Option<&crate::dataflow::Bounds>) -> Self {
         Self {
-            replaying: replay
-                .map(|r| r.bounds.keys().copied().collect())
+            replaying: bounds
+                .map(|b| b.keys().copied().collect())
                 .unwrap_or_default(),
             ..Self::default()
         }

@@ -113,6 +113,9 @@ pub(crate) struct RestorePlan {
     pub(crate) newest_published: Option<CheckpointId>,
 }
 
+/// Where each source task stops in a replay up to the end of published output.
+pub(crate) type Bounds = BTreeMap<TaskId, SourceOffset>;
+
 /// A replay up to the end of published output: every source stops at its bound until
 /// a checkpoint taken there completes, and the sinks drop what they receive before
 /// that checkpoint's barrier (it was published already).
@@ -121,7 +124,7 @@ pub(crate) struct Replay {
     /// The newest checkpoint whose output is published.
     pub(crate) through: CheckpointId,
     /// Where each source task stops.
-    pub(crate) bounds: BTreeMap<TaskId, SourceOffset>,
+    pub(crate) bounds: Bounds,
     /// The published records the replay reproduces (not published again).
     pub(crate) records: u64,
 }

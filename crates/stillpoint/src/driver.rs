@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
-
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
@@ -13,11 +12,11 @@ use stillpoint_state::{CachedState, KeyGroups, SnapshotJob};
 use stillpoint_task::{TaskAction, TaskMachine, Time};
 use stillpoint_wire::{
     CheckpointId, Data, Message, NodeId, SnapshotReport, SourceOffset, StreamId, TaskId,
+    decode_batch, encode_batch,
 };
 
 use crate::transport::{CoordinatorInput, Links};
 use crate::{EngineError, Operator, Record, Sink, Source, SourcePoll};
-use stillpoint_wire::{decode_batch, encode_batch};
 
 /// What a task does with records.
 pub(crate) enum Role {
@@ -335,26 +334,61 @@ impl TaskDriver {
         self.apply_actions()
     }
 
+    /// One step of a source: inject a queued barrier, or read a batch. A source
+    /// replaying up to published output reads only up to its bound, injects barriers
+    /// only there (saying once that it got there), and then waits for the checkpoint
+    /// taken there to complete.
     fn source_step(&mut self) -> Result<(), EngineError> {
-        if let ReplayRole::Source { .. } = self.replay {
-            return self.replay_step();
-        }
-        if let Some(checkpoint) = self.queued_barriers.pop_front() {
-            // Every record read so far has been processed and sent: the barrier is
-            // behind all accepted input.
-            self.machine.handle_source_barrier(self.now(), checkpoint);
-            return self.apply_actions();
-        }
         let Role::Source(source) = &mut self.role else {
             return Ok(());
         };
+        let replaying = matches!(self.replay, ReplayRole::Source { .. });
+        let bound = match &mut self.replay {
+            ReplayRole::Source {
+                bound, reported, ..
+            } if source.offset() == *bound => {
+                if !*reported {
+                    *reported = true;
+                    tracing::info!(task = %self.task, "replayed up to the published output");
+                    let _closed = self
+                        .links
+                        .coordinator
+                        .send(CoordinatorInput::SourceAtBound { task: self.task });
+                }
+                None
+            }
+            ReplayRole::Source { bound, .. } => Some(bound),
+            _ => None,
+        };
+        // Every record read so far has been processed and sent: a barrier injected now
+        // is behind all accepted input (a replaying source's, exactly at its bound).
+        if bound.is_none()
+            && let Some(checkpoint) = self.queued_barriers.pop_front()
+        {
+            if let ReplayRole::Source { at, .. } = &mut self.replay {
+                at.get_or_insert(checkpoint);
+            }
+            self.machine.handle_source_barrier(self.now(), checkpoint);
+            return self.apply_actions();
+        }
+        if replaying && bound.is_none() {
+            return self.idle(Duration::from_millis(5));
+        }
         let mut records = Vec::with_capacity(self.batch);
-        match source.poll(self.batch, &mut records)? {
+        let polled = match bound {
+            Some(bound) => source.poll_until(self.batch, bound, &mut records)?,
+            None => source.poll(self.batch, &mut records)?,
+        };
+        match polled {
             SourcePoll::Records => {
                 self.records.inc_by(records.len() as u64);
                 self.emit(records)
             }
             SourcePoll::Idle => self.idle(Duration::from_millis(1)),
+            SourcePoll::Finished if replaying => Err(EngineError::Invalid(format!(
+                "{}: the input ended before the offset its published output covers: it changed after that output was published",
+                self.task
+            ))),
             SourcePoll::Finished => {
                 if !self.finished_reported {
                     self.finished_reported = true;
@@ -370,50 +404,6 @@ impl TaskDriver {
                 self.idle(Duration::from_millis(5))
             }
         }
-    }
-
-    /// A source replaying up to its bound: reads up to it, then says so and injects
-    /// barriers there only, and waits there until a checkpoint taken there completes.
-    fn replay_step(&mut self) -> Result<(), EngineError> {
-        let (
-            ReplayRole::Source {
-                bound,
-                reported,
-                at,
-            },
-            Role::Source(source),
-        ) = (&mut self.replay, &mut self.role)
-        else {
-            return Ok(());
-        };
-        if source.offset() != *bound {
-            let mut records = Vec::with_capacity(self.batch);
-            return match source.poll_until(self.batch, bound, &mut records)? {
-                SourcePoll::Records => {
-                    self.records.inc_by(records.len() as u64);
-                    self.emit(records)
-                }
-                SourcePoll::Idle => self.idle(Duration::from_millis(1)),
-                SourcePoll::Finished => Err(EngineError::Invalid(format!(
-                    "{}: the input ended before the offset its published output covers: it changed after that output was published",
-                    self.task
-                ))),
-            };
-        }
-        if !*reported {
-            *reported = true;
-            tracing::info!(task = %self.task, "replayed up to the published output");
-            let _closed = self
-                .links
-                .coordinator
-                .send(CoordinatorInput::SourceAtBound { task: self.task });
-        }
-        if let Some(checkpoint) = self.queued_barriers.pop_front() {
-            at.get_or_insert(checkpoint);
-            self.machine.handle_source_barrier(self.now(), checkpoint);
-            return self.apply_actions();
-        }
-        self.idle(Duration::from_millis(5))
     }
 
     /// Waits for control traffic, an export result or a timeout.

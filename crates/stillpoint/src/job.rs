@@ -384,7 +384,7 @@ pub fn run(
         node: NODE,
         metrics: &metrics,
         restore: restore.as_ref(),
-        replay: plan.replay.as_ref(),
+        replay: plan.replay.as_ref().map(|r| &r.bounds),
     };
     let mut spawned = Vec::new();
     for task in topology.all() {
@@ -436,7 +436,7 @@ pub fn run(
             flow: &flow,
             sources: topology.sources.clone(),
             stages: topology.parallelisms(),
-            seen: Seen::replaying(plan.replay.as_ref()),
+            seen: Seen::replaying(plan.replay.as_ref().map(|r| &r.bounds)),
             backoff: gc_backoff(),
             report: &mut report,
             metrics: Arc::clone(&metrics),
