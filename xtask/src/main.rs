@@ -9,7 +9,7 @@
 //! cargo xtask tidy               the repository rules (also part of `test`)
 //! cargo xtask bench [--quick] [--no-peers]   criterion benches and peers; figures to target/bench/report.{md,json}
 //! cargo xtask fuzz [SECS] [TARGET...]   libFuzzer campaigns, SECS each (default 60)
-//! cargo xtask sim [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulator
+//! cargo xtask sim [--cluster] [--seeds N] [--first F] [--seed S] [--topology T]   protocol simulators
 //! cargo xtask torture [--runs N] [--procs 1|3] [--seed S] [--faults R]   SIGKILL crash loop of the binary
 //! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
 //! ```
@@ -29,7 +29,7 @@ use anyhow::{Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] [--no-peers] | fuzz [SECS] [TARGET...] | sim [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] [--faults R] | release [--dry-run] VERSION>";
+const USAGE: &str = "usage: cargo xtask <setup | run | test | lint | ci | tidy | bench [--quick] [--no-peers] | fuzz [SECS] [TARGET...] | sim [--cluster] [--seeds N] [--first F] [--seed S] [--topology T] | torture [--runs N] [--procs 1|3] [--seed S] [--faults R] | release [--dry-run] VERSION>";
 
 fn main() -> ExitCode {
     match run(std::env::args().skip(1).collect()) {
@@ -89,7 +89,8 @@ fn main_job(args: &[String]) -> Result<()> {
     cargo(&command)
 }
 
-/// The protocol simulator of `stillpoint-task` over many seeds (CI runs 10,000 runs;
+/// The protocol simulators of `stillpoint-task` over many seeds — the checkpoint
+/// protocol's, or with `--cluster` the cluster protocol's (CI runs 10,000 runs of each;
 /// this runs as many as asked). Built in the dev profile, which optimizes the protocol
 /// crate, so it shares the test build.
 fn sim(args: &[String]) -> Result<()> {

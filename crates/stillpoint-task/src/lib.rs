@@ -83,12 +83,17 @@
     )
 )]
 
+mod cluster;
 mod coordinator;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod task;
 mod time;
 
+pub use cluster::{
+    ClusterAction, ClusterConfig, ClusterCoordinator, ClusterError, ClusterNode, NodeAction,
+    NodeReport, Order, RunEnd,
+};
 pub use coordinator::{
     CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, CoordinatorError,
     ManifestRequest, TaskReport,

@@ -19,6 +19,7 @@
 //! - exactly once: the sinks' committed output and the aggregates' state equal those
 //!   of a failure-free run.
 
+mod cluster;
 mod rng;
 mod topology;
 
@@ -32,6 +33,7 @@ use stillpoint_wire::{
     StreamId, TaskId,
 };
 
+pub use cluster::{ClusterFaults, ClusterOutcome, ClusterSimConfig, ClusterViolation, run_cluster};
 pub use rng::SimRng;
 pub use topology::{Expected, Graph, Node, Record, Topology};
 
