@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -640,9 +639,6 @@ pub(crate) fn join_all(spawned: Vec<Spawned>) -> Option<EngineError> {
     }
     first_error
 }
-
-/// Shared control channels of the tasks in one process.
-pub(crate) type ControlMap = Arc<BTreeMap<TaskId, Sender<Message>>>;
 
 #[cfg(test)]
 mod tests {

@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use stillpoint_backup::{Lease, Store, StoreError, SystemClock};
 use stillpoint_state::KeyGroups;
+use stillpoint_task::{
+    ClusterAction, ClusterCoordinator, ClusterNode, NodeAction, NodeReport, Order, RunEnd, Time,
+};
 use stillpoint_wire::{
     CheckpointId, EngineMessage, Envelope, FrameDecoder, Message, NodeId, SourceOffset,
     SourcePosition, TaskId, read_envelope,
@@ -30,17 +33,17 @@ use stillpoint_wire::{
 
 use crate::auth::{self, ClusterSecret};
 use crate::build::{
-    Builder, ControlMap, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
+    Builder, Restore, Spawned, Topology, Wiring, clear_live_dirs, fetch_restore,
     is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
-use crate::dataflow::Bounds;
+use crate::dataflow::{Bounds, RestorePlan};
 use crate::job::{
     coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
 };
 use crate::metrics::{Metrics, Served};
 use crate::net::{EdgeEnd, connect_retrying, edge_receiver, edge_sender, writer_loop};
-use crate::transport::{CoordinatorInput, Links, Signals};
+use crate::transport::{ControlMap, CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, RunOptions, ToDataflow};
 
 /// Where the processes of a cluster job listen.
@@ -187,7 +190,7 @@ pub fn run_coordinator(
     let cluster = cluster_of(config)?;
     let runtime = runtime()?;
     let store = Store::open(&config.store_uri(), config.store_options.clone())?;
-    let mut lease = runtime.block_on(Lease::acquire_job(
+    let lease = runtime.block_on(Lease::acquire_job(
         &store,
         lease_config(config),
         Arc::new(SystemClock),
@@ -245,105 +248,338 @@ pub fn run_coordinator(
     tracing::info!(address = %cluster.coordinator, nodes = cluster.nodes.len(), "coordinator listening");
 
     let mut report = JobReport::default();
-    let mut nodes: BTreeMap<NodeId, NodeLink> = BTreeMap::new();
-    let mut bad = BTreeSet::new();
-    let mut failovers_without_progress = 0u32;
-    let outcome = loop {
-        if let Err(error) =
-            wait_for_nodes(&cluster, &mut nodes, &inputs_rx, &runtime, &lease, &options)
-        {
-            break Err(error);
-        }
-        // The restore point: the newest committed checkpoint not known bad whose files
-        // are all present; the nodes download and verify their snapshots of it.
-        let restore_id = match choose_restore(&runtime, &store, &bad, &mut report) {
-            Ok(id) => id,
-            Err(error) => break Err(error),
-        };
-        // Before any node starts: a restore that would publish again what the sinks
-        // already published is refused (unless duplicates are allowed).
-        // An exact replay up to it where possible.
-        let plan = match flow.plan_restore(
-            restore_id,
-            !report.fell_back_from.is_empty(),
-            config.allow_duplicates,
-            &topology.sources,
-        ) {
-            Ok(plan) => plan,
-            Err(error) => break Err(error),
-        };
-        let g = generation.fetch_add(1, Ordering::SeqCst) + 1;
-        tracing::info!(generation = g, checkpoint = ?restore_id, replay = plan.replay.is_some(), "starting a generation");
-        let bounds = plan.replay.as_ref().map(|replay| {
-            replay
-                .bounds
-                .iter()
-                .map(|(task, offset)| SourcePosition {
-                    task: *task,
-                    offset: offset.clone(),
-                })
-                .collect::<Vec<_>>()
-        });
-        // A fresh token per generation: only the nodes told to start it can open its
-        // edges.
-        let token = stillpoint_wire::encode_hex(&auth::nonce()[..16]);
-        for link in nodes.values() {
-            let _closed = link.writer.send(Envelope::Engine(EngineMessage::Start {
-                generation: g,
-                token: token.clone(),
-                checkpoint: restore_id.map(CheckpointId::get),
-                replay: bounds.clone(),
-            }));
-        }
-        match wait_ready(
-            g, &cluster, &mut nodes, &inputs_rx, &inputs_tx, &runtime, &lease,
-        ) {
-            Ready::All => {}
-            Ready::Retry(reason) => {
-                tracing::warn!(generation = g, reason, "generation did not start");
-                reset(&nodes, g);
-                continue;
+    let mut machine = ClusterCoordinator::new(stillpoint_task::ClusterConfig {
+        nodes: cluster.node_count(),
+        start_timeout: cluster.connect_timeout * 2,
+        exit_timeout: Duration::from_secs(60),
+        max_failovers_without_progress: MAX_FAILOVERS_WITHOUT_PROGRESS,
+    })
+    .map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let mut process = CoordinatorProcess {
+        config,
+        flow: &flow,
+        topology: &topology,
+        runtime: &runtime,
+        store: &store,
+        lease: Some(lease),
+        epoch: Instant::now(),
+        nodes: cluster.node_count(),
+        metrics: &metrics,
+        inputs: (&inputs_tx, &inputs_rx),
+        generation: &generation,
+        links: BTreeMap::new(),
+        plan: None,
+        token: (0, String::new()),
+        early: Vec::new(),
+        fatal: None,
+        report: &mut report,
+        options: &mut options,
+    };
+    let outcome = process.drive(&mut machine);
+    let lease = process.lease.take();
+    halt.store(true, Ordering::SeqCst);
+    let _joined = acceptor.join();
+    outcome?;
+    if let Some(lease) = lease {
+        runtime.block_on(lease.release())?;
+    }
+    Ok(report)
+}
+
+/// Failovers tolerated in a row without a checkpoint completing in between.
+const MAX_FAILOVERS_WITHOUT_PROGRESS: u32 = 20;
+
+/// The coordinator process: carries out the cluster machine's actions over the
+/// nodes' connections and the store, and runs the checkpoints of each generation.
+struct CoordinatorProcess<'a> {
+    config: &'a JobConfig,
+    flow: &'a Dataflow,
+    topology: &'a Topology,
+    runtime: &'a tokio::runtime::Runtime,
+    store: &'a Store,
+    /// The job's lease (lent to the coordinator driver while a generation runs).
+    lease: Option<Lease>,
+    epoch: Instant,
+    nodes: u32,
+    metrics: &'a Arc<Metrics>,
+    inputs: (&'a Sender<CoordinatorInput>, &'a Receiver<CoordinatorInput>),
+    /// The generation whose task traffic the connection readers let through.
+    generation: &'a AtomicU64,
+    links: BTreeMap<NodeId, NodeLink>,
+    /// The restore chosen for the next generation.
+    plan: Option<(Option<CheckpointId>, RestorePlan)>,
+    /// The newest generation's token, hex.
+    token: (u64, String),
+    /// Task traffic of a starting generation (a restored source already finished),
+    /// handed to its run.
+    early: Vec<CoordinatorInput>,
+    /// The error behind a fatal end, kept whole for the caller.
+    fatal: Option<EngineError>,
+    report: &'a mut JobReport,
+    options: &'a mut RunOptions,
+}
+
+impl CoordinatorProcess<'_> {
+    fn now(&self) -> Time {
+        Time::from_duration(self.epoch.elapsed())
+    }
+
+    fn drive(&mut self, machine: &mut ClusterCoordinator) -> Result<(), EngineError> {
+        let mut logged = Instant::now();
+        loop {
+            while let Some(action) = machine.poll_action() {
+                if let Some(outcome) = self.act(machine, action)? {
+                    return outcome;
+                }
             }
-            Ready::BadCheckpoint(checkpoint, problem) => {
+            if self.options.stop.requested() {
+                machine.handle_stop(self.now());
+            }
+            if let Some(lease) = &self.lease {
+                keep_lease(self.runtime, lease)?;
+            }
+            let missing = machine.missing();
+            if !missing.is_empty() && logged.elapsed() > Duration::from_secs(5) {
+                let missing: Vec<String> = missing.iter().map(ToString::to_string).collect();
+                tracing::info!(missing = missing.join(", "), "waiting for nodes");
+                logged = Instant::now();
+            }
+            let wait = machine
+                .poll_timeout()
+                .map_or(Duration::from_millis(100), |t| {
+                    t.saturating_since(self.now())
+                        .min(Duration::from_millis(100))
+                });
+            match self.inputs.1.recv_timeout(wait) {
+                Ok(input) => self.apply(machine, input),
+                Err(RecvTimeoutError::Timeout) => machine.handle_timeout(self.now()),
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(EngineError::Stopped("the accept thread".into()));
+                }
+            }
+        }
+    }
+
+    /// Hands what a connection brought to the machine.
+    fn apply(&mut self, machine: &mut ClusterCoordinator, input: CoordinatorInput) {
+        let now = self.now();
+        match input {
+            CoordinatorInput::Connected {
+                node,
+                connection,
+                writer,
+            } => {
+                tracing::info!(%node, "node connected");
+                self.links.insert(node, NodeLink { connection, writer });
+                machine.handle_connected(now, node, connection);
+            }
+            CoordinatorInput::NodeLost {
+                node,
+                connection,
+                reason,
+            } => {
+                if self
+                    .links
+                    .get(&node)
+                    .is_some_and(|l| l.connection == connection)
+                {
+                    tracing::warn!(%node, reason, "node lost");
+                    self.links.remove(&node);
+                }
+                machine.handle_lost(now, node, connection, &reason);
+            }
+            CoordinatorInput::Node {
+                node,
+                connection,
+                message,
+            } => {
+                if let Some(report) = node_report(message) {
+                    machine.handle_report(now, node, connection, report);
+                }
+            }
+            other => self.early.push(other),
+        }
+    }
+
+    /// Carries out one action; `Some` once the coordinator is done.
+    fn act(
+        &mut self,
+        machine: &mut ClusterCoordinator,
+        action: ClusterAction,
+    ) -> Result<Option<Result<(), EngineError>>, EngineError> {
+        let now = self.now();
+        match action {
+            ClusterAction::ChooseRestore { exclude } => {
+                let chosen = choose_restore(self.runtime, self.store, &exclude, self.report)
+                    .and_then(|id| {
+                        // Before any node starts: a restore that would publish again
+                        // what the sinks already published is refused (unless
+                        // duplicates are allowed); an exact replay up to it where
+                        // possible.
+                        let plan = self.flow.plan_restore(
+                            id,
+                            !self.report.fell_back_from.is_empty(),
+                            self.config.allow_duplicates,
+                            &self.topology.sources,
+                        )?;
+                        Ok((id, plan))
+                    });
+                match chosen {
+                    Ok((id, plan)) => {
+                        self.plan = Some((id, plan));
+                        machine.handle_restore_chosen(now, Ok(id));
+                    }
+                    Err(error) => {
+                        machine.handle_restore_chosen(now, Err(error.to_string()));
+                        self.fatal = Some(error);
+                    }
+                }
+            }
+            ClusterAction::Order { node, order } => self.order(node, order),
+            ClusterAction::Run {
+                generation,
+                checkpoint,
+            } => {
+                let end = self.run(generation, checkpoint, machine)?;
+                machine.handle_run_ended(self.now(), generation, end);
+            }
+            // The coordinator driver stops by itself on any change of membership.
+            ClusterAction::AbortRun { .. } => {}
+            ClusterAction::FellBack {
+                checkpoint,
+                problem,
+            } => {
                 tracing::warn!(%checkpoint, problem, "checkpoint does not verify; falling back to an older one");
-                bad.insert(checkpoint);
-                report.fell_back_from.push(FallBack {
+                self.report.fell_back_from.push(FallBack {
                     checkpoint,
                     problem,
                 });
-                reset(&nodes, g);
-                continue;
             }
-            Ready::Fatal(error) => break Err(error),
+            ClusterAction::RecordFinished { .. } => {
+                // Recorded before the nodes exit, so a coordinator restarted from here
+                // on does not wait for them.
+                let recorded = self.runtime.block_on(record_finished(self.store));
+                let answer = recorded.as_ref().map(|_| ()).map_err(ToString::to_string);
+                if let Err(error) = recorded {
+                    self.fatal = Some(error.into());
+                }
+                machine.handle_finished_recorded(now, answer);
+            }
+            ClusterAction::Done(outcome) => {
+                return Ok(Some(outcome.map_err(|error| {
+                    self.fatal.take().unwrap_or_else(|| match error {
+                        stillpoint_task::ClusterError::Stopped => EngineError::Stopped(
+                            "the coordinator, stopped while waiting for nodes".into(),
+                        ),
+                        other => EngineError::Failed(other.to_string()),
+                    })
+                })));
+            }
         }
-        report.restored_from = restore_id;
-        report.replayed = plan.replay.as_ref().map(crate::Replayed::from);
-        if let Some(tell) = options.on_start.take() {
-            tell(&report);
+        Ok(None)
+    }
+
+    /// Sends an order on the node's current connection.
+    fn order(&mut self, node: NodeId, order: Order) {
+        let message = match order {
+            Order::Start {
+                generation,
+                checkpoint,
+            } => {
+                if self.token.0 != generation {
+                    // A fresh token per generation: only the nodes told to start it
+                    // can open its edges.
+                    self.token = (
+                        generation,
+                        stillpoint_wire::encode_hex(&auth::nonce()[..16]),
+                    );
+                    self.generation.store(generation, Ordering::SeqCst);
+                    self.early.clear();
+                    tracing::info!(generation, ?checkpoint, "starting a generation");
+                }
+                let bounds = self
+                    .plan
+                    .as_ref()
+                    .and_then(|(_, plan)| plan.replay.as_ref())
+                    .map(|replay| {
+                        replay
+                            .bounds
+                            .iter()
+                            .map(|(task, offset)| SourcePosition {
+                                task: *task,
+                                offset: offset.clone(),
+                            })
+                            .collect::<Vec<_>>()
+                    });
+                EngineMessage::Start {
+                    generation,
+                    token: self.token.1.clone(),
+                    checkpoint: checkpoint.map(CheckpointId::get),
+                    replay: bounds,
+                }
+            }
+            Order::Reset { generation } => EngineMessage::Reset { generation },
+            Order::Finish { generation } => EngineMessage::Finish { generation },
+            Order::Exit => EngineMessage::Exit,
+        };
+        if let Some(link) = self.links.get(&node) {
+            let _closed = link.writer.send(Envelope::Engine(message));
+        }
+    }
+
+    /// Runs generation `g`'s checkpoints until the job is done or it fails.
+    fn run(
+        &mut self,
+        g: u64,
+        restore_id: Option<CheckpointId>,
+        machine: &mut ClusterCoordinator,
+    ) -> Result<RunEnd, EngineError> {
+        let plan = self
+            .plan
+            .as_ref()
+            .map(|(_, plan)| plan.clone())
+            .unwrap_or_default();
+        self.report.restored_from = restore_id;
+        self.report.replayed = plan.replay.as_ref().map(crate::Replayed::from);
+        if let Some(tell) = self.options.on_start.take() {
+            tell(self.report);
         }
         if let Some(id) = restore_id {
-            metrics.restored(id.get());
+            self.metrics.restored(id.get());
         }
-        let highest_seen = match highest_checkpoint(&runtime, &store) {
+        for input in self.early.drain(..) {
+            let _sent = self.inputs.0.send(input);
+        }
+        let fatal = |error: EngineError, fatal: &mut Option<EngineError>| {
+            let reason = error.to_string();
+            *fatal = Some(error);
+            Ok(RunEnd::Fatal(reason))
+        };
+        let highest_seen = match highest_checkpoint(self.runtime, self.store) {
             Ok(id) => id.max(plan.newest_published.unwrap_or(CheckpointId(0))),
-            Err(error) => break Err(error),
+            Err(error) => return fatal(error, &mut self.fatal),
         };
-        let machine = match coordinator_machine(config, &topology, restore_id, highest_seen) {
-            Ok(machine) => machine,
-            Err(error) => break Err(error),
-        };
-        let routes: BTreeMap<NodeId, Sender<Envelope>> = nodes
+        let coordinator =
+            match coordinator_machine(self.config, self.topology, restore_id, highest_seen) {
+                Ok(machine) => machine,
+                Err(error) => return fatal(error, &mut self.fatal),
+            };
+        let routes: BTreeMap<NodeId, Sender<Envelope>> = self
+            .links
             .iter()
             .map(|(node, link)| (*node, link.writer.clone()))
             .collect();
-        let node_count = cluster.node_count();
-        let completed_before = report.checkpoints.len();
-        let (result, stashed, returned_lease) = {
+        let node_count = self.nodes;
+        let completed_before = self.report.checkpoints.len();
+        let Some(lease) = self.lease.take() else {
+            return Err(EngineError::Invalid("the lease is gone".into()));
+        };
+        let (result, stashed) = {
             let mut driver = CoordinatorDriver {
-                coordinator: machine,
-                store: store.clone(),
+                coordinator,
+                store: self.store.clone(),
                 lease,
-                runtime: &runtime,
+                runtime: self.runtime,
                 control: Box::new(move |task, message| {
                     if let Some(writer) = routes.get(&Topology::node_of(task, node_count)) {
                         let _closed = writer.send(Envelope::Wire {
@@ -352,98 +588,100 @@ pub fn run_coordinator(
                         });
                     }
                 }),
-                inputs: inputs_rx.clone(),
+                inputs: self.inputs.1.clone(),
                 signals: Arc::new(Signals::default()),
                 epoch: Instant::now(),
-                config,
-                flow: &flow,
-                sources: topology.sources.clone(),
-                stages: topology.parallelisms(),
+                config: self.config,
+                flow: self.flow,
+                sources: self.topology.sources.clone(),
+                stages: self.topology.parallelisms(),
                 seen: Seen::replaying(plan.replay.as_ref().map(|r| &r.bounds)),
                 backoff: gc_backoff(),
-                report: &mut report,
-                metrics: Arc::clone(&metrics),
-                stop: options.stop.clone(),
-                on_checkpoint: options.on_checkpoint.take(),
+                report: self.report,
+                metrics: Arc::clone(self.metrics),
+                stop: self.options.stop.clone(),
+                on_checkpoint: self.options.on_checkpoint.take(),
             };
             let result = driver.run();
-            options.on_checkpoint = driver.on_checkpoint.take();
-            let stashed = std::mem::take(&mut driver.seen.stash);
-            (result, stashed, driver.lease)
+            self.options.on_checkpoint = driver.on_checkpoint.take();
+            self.lease = Some(driver.lease);
+            (result, std::mem::take(&mut driver.seen.stash))
         };
-        lease = returned_lease;
+        // The change of membership that ended the run, for the machine.
         for input in stashed {
-            let _sent = inputs_tx.send(input);
+            self.apply(machine, input);
         }
-        match result {
-            Ok(()) => {
-                for link in nodes.values() {
-                    let _closed = link
-                        .writer
-                        .send(Envelope::Engine(EngineMessage::Finish { generation: g }));
-                }
-                match wait_finished(g, &cluster, &mut nodes, &inputs_rx, &runtime, &lease) {
-                    Ok(true) => {
-                        // Recorded before the nodes exit, so a coordinator restarted
-                        // from here on does not wait for them.
-                        if let Err(error) = runtime.block_on(record_finished(&store)) {
-                            break Err(error.into());
-                        }
-                        for link in nodes.values() {
-                            let _closed = link.writer.send(Envelope::Engine(EngineMessage::Exit));
-                        }
-                        wait_for_goodbyes(&mut nodes, &inputs_rx, Duration::from_secs(60));
-                        break Ok(());
-                    }
-                    // A node went away before its final commits: restore the final
-                    // checkpoint once more, so its sinks publish what they hold.
-                    Ok(false) => {
-                        tracing::warn!(
-                            generation = g,
-                            "a node was lost before its final commits; restoring the final checkpoint again"
-                        );
-                        reset(&nodes, g);
-                    }
-                    Err(error) => break Err(error),
-                }
-            }
+        Ok(match result {
+            Ok(()) => RunEnd::Done,
             Err(
                 error @ (EngineError::NodeLost(_)
                 | EngineError::Failed(_)
                 | EngineError::Stopped(_)
                 | EngineError::Net(_)),
-            ) => {
-                if report.checkpoints.len() > completed_before {
-                    failovers_without_progress = 0;
-                }
-                failovers_without_progress += 1;
-                tracing::warn!(generation = g, %error, "failing over");
-                if failovers_without_progress > MAX_FAILOVERS_WITHOUT_PROGRESS {
-                    break Err(EngineError::Failed(format!(
-                        "{failovers_without_progress} failovers in a row without a completed checkpoint, the last: {error}"
-                    )));
-                }
-                reset(&nodes, g);
-            }
-            Err(error) => break Err(error),
-        }
-    };
-    halt.store(true, Ordering::SeqCst);
-    let _joined = acceptor.join();
-    outcome?;
-    runtime.block_on(lease.release())?;
-    Ok(report)
+            ) => RunEnd::Failed {
+                reason: error.to_string(),
+                progress: self.report.checkpoints.len() > completed_before,
+            },
+            Err(error) => return fatal(error, &mut self.fatal),
+        })
+    }
 }
 
-/// Failovers tolerated in a row without a checkpoint completing in between.
-const MAX_FAILOVERS_WITHOUT_PROGRESS: u32 = 20;
-
-fn reset(nodes: &BTreeMap<NodeId, NodeLink>, generation: u64) {
-    for link in nodes.values() {
-        let _closed = link
-            .writer
-            .send(Envelope::Engine(EngineMessage::Reset { generation }));
+/// A node machine's report as the engine message that carries it.
+fn engine_message(report: NodeReport) -> EngineMessage {
+    match report {
+        NodeReport::Ready { generation } => EngineMessage::Ready { generation },
+        NodeReport::Finished { generation } => EngineMessage::Finished { generation },
+        NodeReport::RestoreFailed {
+            generation,
+            checkpoint,
+            problem,
+            corrupt,
+        } => EngineMessage::RestoreFailed {
+            generation,
+            checkpoint: checkpoint.get(),
+            problem,
+            corrupt,
+        },
+        NodeReport::TaskFailed {
+            generation,
+            task,
+            error,
+        } => EngineMessage::TaskFailed {
+            generation,
+            task: task.get(),
+            error,
+        },
     }
+}
+
+/// A node's engine message as the cluster machine's report.
+fn node_report(message: EngineMessage) -> Option<NodeReport> {
+    Some(match message {
+        EngineMessage::Ready { generation } => NodeReport::Ready { generation },
+        EngineMessage::Finished { generation } => NodeReport::Finished { generation },
+        EngineMessage::RestoreFailed {
+            generation,
+            checkpoint,
+            problem,
+            corrupt,
+        } => NodeReport::RestoreFailed {
+            generation,
+            checkpoint: CheckpointId(checkpoint),
+            problem,
+            corrupt,
+        },
+        EngineMessage::TaskFailed {
+            generation,
+            task,
+            error,
+        } => NodeReport::TaskFailed {
+            generation,
+            task: TaskId(task),
+            error,
+        },
+        _ => return None,
+    })
 }
 
 /// Handshake of a node connection on the coordinator: its hello, then a writer and a
@@ -530,19 +768,18 @@ fn accept_node(
                         generation: g,
                         task,
                     }) if g == current => CoordinatorInput::SourceAtBound { task: TaskId(task) },
-                    Envelope::Engine(EngineMessage::TaskFailed {
-                        generation: g,
-                        task,
-                        error,
-                    }) if g == current => CoordinatorInput::TaskFailed {
-                        task: TaskId(task),
-                        error,
-                    },
+                    // Node reports go to the cluster machine (a task failure to the
+                    // running generation's driver too), which judges their generation.
                     Envelope::Engine(
                         message @ (EngineMessage::Ready { .. }
                         | EngineMessage::RestoreFailed { .. }
+                        | EngineMessage::TaskFailed { .. }
                         | EngineMessage::Finished { .. }),
-                    ) => CoordinatorInput::Node { node, message },
+                    ) => CoordinatorInput::Node {
+                        node,
+                        connection,
+                        message,
+                    },
                     // Anything else belongs to another generation or to nobody.
                     _ => continue,
                 };
@@ -553,83 +790,10 @@ fn accept_node(
         });
 }
 
-/// Applies a connection change; `true` when a node was lost.
-fn apply_connection(nodes: &mut BTreeMap<NodeId, NodeLink>, input: CoordinatorInput) -> bool {
-    match input {
-        CoordinatorInput::Connected {
-            node,
-            connection,
-            writer,
-        } => {
-            tracing::info!(%node, "node connected");
-            nodes.insert(node, NodeLink { connection, writer });
-            false
-        }
-        CoordinatorInput::NodeLost {
-            node,
-            connection,
-            reason,
-        } => {
-            if nodes.get(&node).is_some_and(|l| l.connection == connection) {
-                tracing::warn!(%node, reason, "node lost");
-                nodes.remove(&node);
-                return true;
-            }
-            false
-        }
-        _ => false,
-    }
-}
-
-/// Applies a connection change; `true` when it ends what the coordinator waits for:
-/// a node was lost, or connected anew (restarted, so its earlier self is gone).
-fn lost_or_restarted(nodes: &mut BTreeMap<NodeId, NodeLink>, input: CoordinatorInput) -> bool {
-    let reconnect = matches!(input, CoordinatorInput::Connected { .. });
-    apply_connection(nodes, input) || reconnect
-}
-
 /// Keeps the lease fresh while the coordinator waits.
 fn keep_lease(runtime: &tokio::runtime::Runtime, lease: &Lease) -> Result<(), EngineError> {
     if lease.needs_refresh() {
         runtime.block_on(lease.refresh())?;
-    }
-    Ok(())
-}
-
-fn wait_for_nodes(
-    cluster: &ClusterConfig,
-    nodes: &mut BTreeMap<NodeId, NodeLink>,
-    inputs: &Receiver<CoordinatorInput>,
-    runtime: &tokio::runtime::Runtime,
-    lease: &Lease,
-    options: &RunOptions,
-) -> Result<(), EngineError> {
-    let mut logged = Instant::now();
-    while (1..=cluster.node_count()).any(|n| !nodes.contains_key(&NodeId(n))) {
-        if options.stop.requested() {
-            return Err(EngineError::Stopped(
-                "the coordinator, stopped while waiting for nodes".into(),
-            ));
-        }
-        keep_lease(runtime, lease)?;
-        if logged.elapsed() > Duration::from_secs(5) {
-            let missing: Vec<String> = (1..=cluster.node_count())
-                .map(NodeId)
-                .filter(|n| !nodes.contains_key(n))
-                .map(|n| n.to_string())
-                .collect();
-            tracing::info!(missing = missing.join(", "), "waiting for nodes");
-            logged = Instant::now();
-        }
-        match inputs.recv_timeout(Duration::from_millis(100)) {
-            Ok(input) => {
-                apply_connection(nodes, input);
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(EngineError::Stopped("the accept thread".into()));
-            }
-        }
     }
     Ok(())
 }
@@ -699,151 +863,6 @@ fn choose_restore(
     Ok(None)
 }
 
-enum Ready {
-    All,
-    Retry(String),
-    BadCheckpoint(CheckpointId, String),
-    Fatal(EngineError),
-}
-
-/// Waits until every node reported ready for generation `g`. Task traffic of `g`
-/// that arrives meanwhile (a restored source that is already finished) is put back
-/// for the driver.
-fn wait_ready(
-    g: u64,
-    cluster: &ClusterConfig,
-    nodes: &mut BTreeMap<NodeId, NodeLink>,
-    inputs: &Receiver<CoordinatorInput>,
-    requeue: &Sender<CoordinatorInput>,
-    runtime: &tokio::runtime::Runtime,
-    lease: &Lease,
-) -> Ready {
-    let mut ready = BTreeSet::new();
-    let mut early = Vec::new();
-    let deadline = Instant::now() + cluster.connect_timeout * 2;
-    let outcome = loop {
-        if ready.len() == cluster.nodes.len() {
-            break Ready::All;
-        }
-        if Instant::now() > deadline {
-            break Ready::Retry("nodes did not get ready in time".into());
-        }
-        if let Err(error) = keep_lease(runtime, lease) {
-            break Ready::Fatal(error);
-        }
-        match inputs.recv_timeout(Duration::from_millis(100)) {
-            Ok(CoordinatorInput::Node {
-                node,
-                message: EngineMessage::Ready { generation },
-            }) if generation == g => {
-                ready.insert(node);
-            }
-            Ok(CoordinatorInput::Node {
-                node,
-                message:
-                    EngineMessage::RestoreFailed {
-                        generation,
-                        checkpoint,
-                        problem,
-                        corrupt,
-                    },
-            }) if generation == g => {
-                let problem = format!("{node}: {problem}");
-                break if corrupt {
-                    Ready::BadCheckpoint(CheckpointId(checkpoint), problem)
-                } else {
-                    Ready::Fatal(EngineError::Failed(problem))
-                };
-            }
-            Ok(CoordinatorInput::Node { .. }) => {}
-            Ok(
-                input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
-            ) => {
-                if lost_or_restarted(nodes, input) {
-                    break Ready::Retry("a node was lost or restarted".into());
-                }
-            }
-            Ok(CoordinatorInput::TaskFailed { task, error }) => {
-                break Ready::Retry(format!("{task} failed: {error}"));
-            }
-            Ok(other) => early.push(other),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
-                break Ready::Fatal(EngineError::Stopped("the accept thread".into()));
-            }
-        }
-    };
-    if matches!(outcome, Ready::All) {
-        for input in early {
-            let _sent = requeue.send(input);
-        }
-    }
-    outcome
-}
-
-/// After `Finish`: `Ok(true)` once every node said `Finished` for generation `g`,
-/// `Ok(false)` when a node was lost or restarted first (its final commits may not
-/// have happened).
-fn wait_finished(
-    g: u64,
-    cluster: &ClusterConfig,
-    nodes: &mut BTreeMap<NodeId, NodeLink>,
-    inputs: &Receiver<CoordinatorInput>,
-    runtime: &tokio::runtime::Runtime,
-    lease: &Lease,
-) -> Result<bool, EngineError> {
-    let mut finished = BTreeSet::new();
-    let deadline = Instant::now() + cluster.connect_timeout * 2;
-    while finished.len() < cluster.nodes.len() {
-        if Instant::now() > deadline {
-            return Ok(false);
-        }
-        keep_lease(runtime, lease)?;
-        match inputs.recv_timeout(Duration::from_millis(100)) {
-            Ok(CoordinatorInput::Node {
-                node,
-                message: EngineMessage::Finished { generation },
-            }) if generation == g => {
-                finished.insert(node);
-            }
-            Ok(
-                input @ (CoordinatorInput::Connected { .. } | CoordinatorInput::NodeLost { .. }),
-            ) => {
-                if lost_or_restarted(nodes, input) {
-                    return Ok(false);
-                }
-            }
-            Ok(CoordinatorInput::TaskFailed { task, error }) => {
-                tracing::warn!(%task, error, "a task failed during its final commits");
-                return Ok(false);
-            }
-            Ok(_) | Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(EngineError::Stopped("the accept thread".into()));
-            }
-        }
-    }
-    Ok(true)
-}
-
-/// After `Exit`: waits until every node has closed its connection.
-fn wait_for_goodbyes(
-    nodes: &mut BTreeMap<NodeId, NodeLink>,
-    inputs: &Receiver<CoordinatorInput>,
-    timeout: Duration,
-) {
-    let deadline = Instant::now() + timeout;
-    while !nodes.is_empty() && Instant::now() < deadline {
-        if let Ok(CoordinatorInput::NodeLost {
-            node, connection, ..
-        }) = inputs.recv_timeout(Duration::from_millis(100))
-            && nodes.get(&node).is_some_and(|l| l.connection == connection)
-        {
-            nodes.remove(&node);
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------
 // A node process.
 
@@ -851,6 +870,12 @@ fn wait_for_goodbyes(
 enum NodeEvent {
     FromCoordinator(Envelope),
     CoordinatorLost(String),
+    /// A task of the running generation failed.
+    TaskFailed {
+        generation: u64,
+        task: TaskId,
+        error: String,
+    },
 }
 
 /// One generation's tasks and connections on a node.
@@ -968,6 +993,8 @@ pub fn run_node(
         tokens,
         early_edges: Vec::new(),
         metrics: Arc::new(Metrics::for_node(node, &local_tasks)),
+        machine: ClusterNode::new(node),
+        epoch: Instant::now(),
     };
     let _metrics = cluster
         .node_metrics_address(node)?
@@ -1052,9 +1079,16 @@ struct NodeState<'a> {
     /// Edge connections of a generation this node has not started yet.
     early_edges: Vec<(EdgeArrival, TcpStream)>,
     metrics: Arc<Metrics>,
+    /// The node's side of the cluster protocol.
+    machine: ClusterNode,
+    epoch: Instant,
 }
 
 impl NodeState<'_> {
+    fn now(&self) -> Time {
+        Time::from_duration(self.epoch.elapsed())
+    }
+
     fn serve(&mut self) -> Result<(), EngineError> {
         loop {
             let Some(stream) = self.connect_unless_finished()? else {
@@ -1090,6 +1124,7 @@ impl NodeState<'_> {
                 .spawn(move || writer_loop(write_half, envelopes, "to the coordinator".into()))
                 .map_err(|e| EngineError::io("spawn", "writer thread", &e))?;
             let (events_tx, events) = crossbeam_channel::unbounded();
+            let to_self = events_tx.clone();
             let read_half = stream.try_clone().map_err(|e| io_net("coordinator", &e))?;
             let reader_thread = std::thread::Builder::new()
                 .name("from-coordinator".into())
@@ -1114,7 +1149,7 @@ impl NodeState<'_> {
                     }
                 })
                 .map_err(|e| EngineError::io("spawn", "reader thread", &e))?;
-            let finished = self.follow(&events, &writer);
+            let finished = self.follow(&events, (&writer, &to_self));
             // Everything queued for the coordinator is written before the connection
             // closes.
             drop(writer);
@@ -1163,105 +1198,139 @@ impl NodeState<'_> {
         }
     }
 
-    /// Follows the coordinator's orders on one connection: `Ok(true)` when the job
-    /// finished, `Ok(false)` when the coordinator was lost.
+    /// Follows the coordinator's orders on one connection, through the node's
+    /// cluster machine: `Ok(true)` when the job finished, `Ok(false)` when the
+    /// coordinator was lost.
     fn follow(
         &mut self,
         events: &Receiver<NodeEvent>,
-        writer: &Sender<Envelope>,
+        (writer, to_self): (&Sender<Envelope>, &Sender<NodeEvent>),
     ) -> Result<bool, EngineError> {
         let mut current: Option<Generation> = None;
-        for event in events {
-            match event {
-                NodeEvent::CoordinatorLost(reason) => {
+        // What each start brought besides its generation: the replay bounds, the token.
+        let mut starts: BTreeMap<u64, (Option<Bounds>, Vec<u8>)> = BTreeMap::new();
+        self.machine.handle_connected(self.now());
+        let mut events = events.iter();
+        loop {
+            let now = self.now();
+            match events.next() {
+                None => self.machine.handle_lost(now),
+                Some(NodeEvent::CoordinatorLost(reason)) => {
                     tracing::warn!(reason, "connection to the coordinator lost");
-                    if let Some(generation) = current.take() {
-                        generation.end(false);
-                    }
-                    return Ok(false);
+                    self.machine.handle_lost(now);
                 }
-                NodeEvent::FromCoordinator(Envelope::Wire {
+                Some(NodeEvent::TaskFailed {
+                    generation,
+                    task,
+                    error,
+                }) => self
+                    .machine
+                    .handle_task_failed(now, generation, task, error),
+                Some(NodeEvent::FromCoordinator(Envelope::Wire {
                     generation,
                     message,
-                }) => {
-                    let Some(live) = current.as_ref().filter(|c| c.generation == generation) else {
-                        continue;
-                    };
-                    if let Some(channel) = message.recipient().and_then(|t| live.control.get(&t)) {
+                })) => {
+                    if let Some(live) = current
+                        .as_ref()
+                        .filter(|c| c.generation == generation && self.machine.accepts(generation))
+                        && let Some(channel) =
+                            message.recipient().and_then(|t| live.control.get(&t))
+                    {
                         let _closed = channel.send(message);
                     }
                 }
-                NodeEvent::FromCoordinator(Envelope::Engine(message)) => match message {
-                    EngineMessage::Start {
-                        generation,
-                        token,
-                        checkpoint,
-                        replay,
-                    } => {
-                        if let Some(old) = current.take() {
-                            old.end(false);
-                        }
-                        let Ok(token) = stillpoint_wire::decode_hex(&token) else {
-                            tracing::warn!(generation, "a start without a valid token ignored");
-                            continue;
-                        };
-                        self.tokens.set(generation, token.clone());
-                        let bounds: Option<Bounds> = replay
-                            .map(|bounds| bounds.into_iter().map(|p| (p.task, p.offset)).collect());
-                        current = self.start(
+                Some(NodeEvent::FromCoordinator(Envelope::Engine(message))) => {
+                    let order = match message {
+                        EngineMessage::Start {
                             generation,
-                            checkpoint.map(CheckpointId),
-                            (bounds.as_ref(), &token),
-                            writer,
-                        )?;
-                    }
-                    EngineMessage::Reset { generation } => {
-                        if current.as_ref().is_some_and(|c| c.generation == generation)
-                            && let Some(old) = current.take()
-                        {
-                            old.end(false);
-                        }
-                    }
-                    EngineMessage::Finish { generation } => {
-                        // Only the incarnation that ran the generation can vouch for
-                        // its commits; a node restarted since says nothing, and the
-                        // coordinator (which saw it reconnect) restores again.
-                        if let Some(live) = current.take() {
-                            if live.generation == generation {
-                                if let Some(error) = live.end(true) {
-                                    return Err(error);
-                                }
-                                tracing::info!(node = %self.node, "final commits done");
-                                let _closed = writer
-                                    .send(Envelope::Engine(EngineMessage::Finished { generation }));
-                            } else {
-                                live.end(false);
+                            token,
+                            checkpoint,
+                            replay,
+                        } => {
+                            let Ok(token) = stillpoint_wire::decode_hex(&token) else {
+                                tracing::warn!(generation, "a start without a valid token ignored");
+                                continue;
+                            };
+                            self.tokens.set(generation, token.clone());
+                            let bounds: Option<Bounds> = replay.map(|bounds| {
+                                bounds.into_iter().map(|p| (p.task, p.offset)).collect()
+                            });
+                            starts.clear();
+                            starts.insert(generation, (bounds, token));
+                            Order::Start {
+                                generation,
+                                checkpoint: checkpoint.map(CheckpointId),
                             }
                         }
+                        EngineMessage::Reset { generation } => Order::Reset { generation },
+                        EngineMessage::Finish { generation } => Order::Finish { generation },
+                        EngineMessage::Exit => Order::Exit,
+                        other => {
+                            tracing::warn!(?other, "unexpected message from the coordinator");
+                            continue;
+                        }
+                    };
+                    self.machine.handle_order(now, order);
+                }
+            }
+            while let Some(action) = self.machine.poll_action() {
+                match action {
+                    NodeAction::Build {
+                        generation,
+                        checkpoint,
+                    } => {
+                        let (bounds, token) = starts.remove(&generation).unwrap_or_default();
+                        let built = self.start(
+                            generation,
+                            checkpoint,
+                            (bounds.as_ref(), &token),
+                            (writer, to_self),
+                        );
+                        let built = built.map(|live| current = Some(live));
+                        self.machine.handle_built(self.now(), generation, built);
                     }
-                    EngineMessage::Exit => {
+                    NodeAction::End {
+                        generation,
+                        graceful,
+                    } => {
+                        let Some(live) = current.take_if(|c| c.generation == generation) else {
+                            continue;
+                        };
+                        let error = live.end(graceful);
+                        if graceful {
+                            if error.is_none() {
+                                tracing::info!(node = %self.node, "final commits done");
+                            }
+                            let ended = error.map_or(Ok(()), |e| Err(e.to_string()));
+                            self.machine.handle_ended(self.now(), generation, ended);
+                        }
+                    }
+                    NodeAction::Tell(report) => {
+                        let _closed = writer.send(Envelope::Engine(engine_message(report)));
+                    }
+                    NodeAction::Reconnect => {
                         if let Some(live) = current.take() {
                             live.end(false);
                         }
+                        return Ok(false);
+                    }
+                    NodeAction::Exit => {
                         tracing::info!(node = %self.node, "job finished");
                         return Ok(true);
                     }
-                    other => tracing::warn!(?other, "unexpected message from the coordinator"),
-                },
+                }
             }
         }
-        Ok(false)
     }
 
-    /// Builds generation `g`; `None` (after telling the coordinator why) when it
-    /// cannot start.
+    /// Builds generation `g`; what to tell the coordinator when it cannot start.
     fn start(
         &mut self,
         g: u64,
         checkpoint: Option<CheckpointId>,
         (replay, token): (Option<&Bounds>, &[u8]),
-        writer: &Sender<Envelope>,
-    ) -> Result<Option<Generation>, EngineError> {
+        links: (&Sender<Envelope>, &Sender<NodeEvent>),
+    ) -> Result<Generation, NodeReport> {
         let local: Vec<TaskId> = self
             .topology
             .all()
@@ -1281,13 +1350,12 @@ impl NodeState<'_> {
                     Ok(restore) => Some(restore),
                     Err(error) => {
                         tracing::warn!(checkpoint = %id, %error, "restore failed");
-                        let _closed = writer.send(Envelope::Engine(EngineMessage::RestoreFailed {
+                        return Err(NodeReport::RestoreFailed {
                             generation: g,
-                            checkpoint: id.get(),
+                            checkpoint: id,
                             problem: error.to_string(),
                             corrupt: is_corrupt_checkpoint(&error),
-                        }));
-                        return Ok(None);
+                        });
                     }
                 }
             }
@@ -1300,22 +1368,19 @@ impl NodeState<'_> {
             }
             _ => Ok(()),
         };
-        match settled
-            .and_then(|()| self.build(g, &local, (restore.as_ref(), replay, token), writer))
+        match settled.and_then(|()| self.build(g, &local, (restore.as_ref(), replay, token), links))
         {
             Ok(generation) => {
-                let _closed = writer.send(Envelope::Engine(EngineMessage::Ready { generation: g }));
                 tracing::info!(node = %self.node, generation = g, tasks = local.len(), "generation running");
-                Ok(Some(generation))
+                Ok(generation)
             }
             Err(error) => {
                 tracing::warn!(generation = g, %error, "generation could not start");
-                let _closed = writer.send(Envelope::Engine(EngineMessage::TaskFailed {
+                Err(NodeReport::TaskFailed {
                     generation: g,
-                    task: local.first().map_or(0, |t| t.get()),
+                    task: local.first().copied().unwrap_or(TaskId(0)),
                     error: error.to_string(),
-                }));
-                Ok(None)
+                })
             }
         }
     }
@@ -1327,7 +1392,7 @@ impl NodeState<'_> {
         g: u64,
         local: &[TaskId],
         restore: (Option<&Restore>, Option<&Bounds>, &[u8]),
-        writer: &Sender<Envelope>,
+        links: (&Sender<Envelope>, &Sender<NodeEvent>),
     ) -> Result<Generation, EngineError> {
         let mut generation = Generation {
             generation: g,
@@ -1338,7 +1403,7 @@ impl NodeState<'_> {
             threads: Vec::new(),
             forwarder: None,
         };
-        match self.build_into(&mut generation, local, restore, writer) {
+        match self.build_into(&mut generation, local, restore, links) {
             Ok(()) => Ok(generation),
             Err(error) => {
                 generation.end(false);
@@ -1352,7 +1417,7 @@ impl NodeState<'_> {
         generation: &mut Generation,
         local: &[TaskId],
         (restore, replay, token): (Option<&Restore>, Option<&Bounds>, &[u8]),
-        writer: &Sender<Envelope>,
+        (writer, to_self): (&Sender<Envelope>, &Sender<NodeEvent>),
     ) -> Result<(), EngineError> {
         let g = generation.generation;
         let signals = Arc::clone(&generation.signals);
@@ -1509,7 +1574,7 @@ impl NodeState<'_> {
 
         // What the tasks send the coordinator, tagged with the generation.
         let (coordinator_tx, coordinator_rx) = crossbeam_channel::unbounded::<CoordinatorInput>();
-        let to_coordinator = writer.clone();
+        let (to_coordinator, to_self) = (writer.clone(), to_self.clone());
         let forwarder = std::thread::Builder::new()
             .name("forward".into())
             .spawn(move || {
@@ -1532,12 +1597,14 @@ impl NodeState<'_> {
                                 task: task.get(),
                             })
                         }
+                        // A task failure is the node machine's to report.
                         CoordinatorInput::TaskFailed { task, error } => {
-                            Envelope::Engine(EngineMessage::TaskFailed {
+                            let _closed = to_self.send(NodeEvent::TaskFailed {
                                 generation: g,
-                                task: task.get(),
+                                task,
                                 error,
-                            })
+                            });
+                            continue;
                         }
                         _ => continue,
                     };

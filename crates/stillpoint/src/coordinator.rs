@@ -146,7 +146,25 @@ impl CoordinatorDriver<'_> {
                     self.seen.stash.push(input);
                     return Err(EngineError::NodeLost(reason));
                 }
-                Ok(CoordinatorInput::Node { node, message }) => {
+                Ok(
+                    input @ CoordinatorInput::Node {
+                        message: stillpoint_wire::EngineMessage::TaskFailed { .. },
+                        ..
+                    },
+                ) => {
+                    let CoordinatorInput::Node {
+                        node,
+                        message: stillpoint_wire::EngineMessage::TaskFailed { task, error, .. },
+                        ..
+                    } = &input
+                    else {
+                        continue;
+                    };
+                    let reason = format!("{}: {error} (on {node})", TaskId(*task));
+                    self.abort_in_flight(&reason);
+                    return Err(EngineError::Failed(reason));
+                }
+                Ok(CoordinatorInput::Node { node, message, .. }) => {
                     tracing::debug!(%node, ?message, "node message ignored while running");
                 }
                 Err(RecvTimeoutError::Timeout) => {}

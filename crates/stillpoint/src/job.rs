@@ -20,12 +20,12 @@ use stillpoint_task::{CompletedCheckpoint, Coordinator, CoordinatorConfig, Time}
 use stillpoint_wire::{CheckpointId, CheckpointManifest, Message, NodeId, StreamId, TaskId};
 
 use crate::build::{
-    Builder, ControlMap, Restore, Topology, Wiring, clear_live_dirs, fetch_restore,
-    is_corrupt_checkpoint, join_all, lock_work_dir, snapshots_needed,
+    Builder, Restore, Topology, Wiring, clear_live_dirs, fetch_restore, is_corrupt_checkpoint,
+    join_all, lock_work_dir, snapshots_needed,
 };
 use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::metrics::Metrics;
-use crate::transport::{Links, Signals};
+use crate::transport::{ControlMap, Links, Signals};
 use crate::{EngineError, ToDataflow};
 
 /// Where and how a job runs and checkpoints. Every field has a default.

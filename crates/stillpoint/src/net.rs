@@ -18,7 +18,7 @@ use stillpoint_wire::{
 };
 
 use crate::EngineError;
-use crate::build::ControlMap;
+use crate::transport::ControlMap;
 use crate::transport::Signals;
 
 impl From<EnvelopeError> for EngineError {

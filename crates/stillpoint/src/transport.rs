@@ -12,6 +12,9 @@ use stillpoint_wire::{Message, NodeId, SourceOffset, TaskId};
 
 use crate::EngineError;
 
+/// Shared control channels of the tasks in one process.
+pub(crate) type ControlMap = Arc<BTreeMap<TaskId, Sender<Message>>>;
+
 /// What the coordinator driver receives.
 #[derive(Debug)]
 pub(crate) enum CoordinatorInput {
@@ -35,9 +38,10 @@ pub(crate) enum CoordinatorInput {
         connection: u64,
         reason: String,
     },
-    /// A node's engine-level message (cluster mode).
+    /// A node's report on its connection `connection` (cluster mode).
     Node {
         node: NodeId,
+        connection: u64,
         message: stillpoint_wire::EngineMessage,
     },
 }
@@ -76,7 +80,7 @@ impl Signals {
 #[derive(Clone, Debug)]
 pub(crate) struct Links {
     pub(crate) data: BTreeMap<TaskId, Sender<Message>>,
-    pub(crate) control: crate::build::ControlMap,
+    pub(crate) control: ControlMap,
     pub(crate) coordinator: Sender<CoordinatorInput>,
     pub(crate) signals: Arc<Signals>,
 }

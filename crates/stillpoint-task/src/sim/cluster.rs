@@ -738,8 +738,7 @@ impl World {
                         }
                     }
                     ToNode::Order(order) => {
-                        if let Order::Start { generation, .. } = &order
-                        {
+                        if let Order::Start { generation, .. } = &order {
                             let started = self.conns.get(&conn).map_or(0, |c| c.started);
                             if *generation <= started {
                                 return Err(format!(
