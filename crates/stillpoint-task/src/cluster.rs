@@ -27,7 +27,6 @@
 //! let mut node = ClusterNode::new(NodeId(1));
 //! let now = Time::ZERO;
 //! coordinator.handle_connected(now, NodeId(1), 1);
-//! node.handle_connected(now);
 //! assert!(matches!(coordinator.poll_action(), Some(ClusterAction::ChooseRestore { .. })));
 //! coordinator.handle_restore_chosen(now, Ok(None));
 //! let Some(ClusterAction::Order { order: Order::Start { generation, .. }, .. }) =
@@ -392,7 +391,7 @@ impl ClusterCoordinator {
     /// `node` connected on connection `connection` (ids grow with every
     /// connection). A node connecting anew while a generation starts, runs or
     /// finishes was restarted: its earlier self and its tasks are gone.
-    pub fn handle_connected(&mut self, now: Time, node: NodeId, connection: u64) {
+    pub fn handle_connected(&mut self, _now: Time, node: NodeId, connection: u64) {
         if node.get() == 0 || node.get() > self.config.nodes || self.phase == Phase::Done {
             return;
         }
@@ -404,17 +403,17 @@ impl ClusterCoordinator {
                 order: Order::Exit,
             });
         } else if earlier.is_some() {
-            self.membership_broke(now, &format!("{node} restarted"));
+            self.membership_broke(&format!("{node} restarted"));
         } else if matches!(self.phase, Phase::Gathering) {
             self.gather();
         } else {
-            self.membership_broke(now, &format!("{node} reconnected"));
+            self.membership_broke(&format!("{node} reconnected"));
         }
     }
 
     /// `node`'s connection `connection` broke. The loss of a connection the node has
     /// already replaced changes nothing.
-    pub fn handle_lost(&mut self, now: Time, node: NodeId, connection: u64, reason: &str) {
+    pub fn handle_lost(&mut self, _now: Time, node: NodeId, connection: u64, reason: &str) {
         if self.members.get(&node) != Some(&connection) {
             return;
         }
@@ -425,7 +424,7 @@ impl ClusterCoordinator {
             }
             return;
         }
-        self.membership_broke(now, &format!("{node} lost: {reason}"));
+        self.membership_broke(&format!("{node} lost: {reason}"));
     }
 
     /// The coordinator was asked to stop. While nodes are still missing that ends it;
@@ -477,7 +476,7 @@ impl ClusterCoordinator {
     /// What `node` said on its connection `connection`; a report about another
     /// generation than the current one, or on a connection the node has replaced,
     /// is stale and changes nothing.
-    pub fn handle_report(&mut self, now: Time, node: NodeId, connection: u64, report: NodeReport) {
+    pub fn handle_report(&mut self, _now: Time, node: NodeId, connection: u64, report: NodeReport) {
         let generation = report.generation();
         if self.members.get(&node) != Some(&connection) {
             return;
@@ -524,7 +523,7 @@ impl ClusterCoordinator {
                 self.gather();
             }
             (Phase::Starting { .. }, NodeReport::TaskFailed { task, error, .. }) => {
-                self.retry(now, &format!("{task} failed: {error}"));
+                self.retry(&format!("{task} failed: {error}"));
             }
             (Phase::Finishing { finished, .. }, NodeReport::Finished { .. }) => {
                 finished.insert(node);
@@ -559,7 +558,7 @@ impl ClusterCoordinator {
                 if progress {
                     self.failovers_without_progress = 0;
                 }
-                self.retry(now, &reason);
+                self.retry(&reason);
             }
             RunEnd::Fatal(reason) => self.done(Err(ClusterError::Fatal(reason))),
         }
@@ -587,7 +586,7 @@ impl ClusterCoordinator {
     pub fn handle_timeout(&mut self, now: Time) {
         match &self.phase {
             Phase::Starting { deadline, .. } if now >= *deadline => {
-                self.retry(now, "nodes did not get ready in time");
+                self.retry("nodes did not get ready in time");
             }
             Phase::Finishing { deadline, .. } if now >= *deadline => {
                 self.final_commits_lost("nodes did not finish in time");
@@ -597,7 +596,7 @@ impl ClusterCoordinator {
         }
     }
 
-    fn membership_broke(&mut self, now: Time, reason: &str) {
+    fn membership_broke(&mut self, reason: &str) {
         match &mut self.phase {
             Phase::Gathering | Phase::Done | Phase::Exiting { .. } => {}
             // The choice is answered first; a node missing then sends us back.
@@ -605,7 +604,7 @@ impl ClusterCoordinator {
             // The final commits may be done already; the finish is recorded once
             // every node said so, and nodes reconnecting meanwhile change nothing.
             Phase::Recording => {}
-            Phase::Starting { .. } => self.retry(now, reason),
+            Phase::Starting { .. } => self.retry(reason),
             Phase::Running {
                 generation,
                 aborted,
@@ -637,7 +636,7 @@ impl ClusterCoordinator {
 
     /// Gives the current generation up and, within the failover budget, starts
     /// another.
-    fn retry(&mut self, _now: Time, reason: &str) {
+    fn retry(&mut self, reason: &str) {
         self.failovers_without_progress += 1;
         tracing::warn!(generation = self.generation, reason, "failing over");
         if self.failovers_without_progress > self.config.max_failovers_without_progress {
@@ -741,20 +740,18 @@ pub struct ClusterNode {
     current: Option<u64>,
     /// A graceful end of this generation is in progress.
     finishing: Option<u64>,
-    connected: bool,
     exited: bool,
     actions: VecDeque<NodeAction>,
 }
 
 impl ClusterNode {
-    /// Node `node`, not yet connected.
+    /// Node `node`, running nothing.
     #[must_use]
     pub fn new(node: NodeId) -> Self {
         Self {
             node,
             current: None,
             finishing: None,
-            connected: false,
             exited: false,
             actions: VecDeque::new(),
         }
@@ -785,11 +782,6 @@ impl ClusterNode {
         self.actions.pop_front()
     }
 
-    /// The node's connection to the coordinator is up (and its handshake done).
-    pub fn handle_connected(&mut self, _now: Time) {
-        self.connected = true;
-    }
-
     /// The connection to the coordinator broke, or its handshake failed: what runs
     /// here is torn down (the coordinator fails the generation over) and the node
     /// connects again.
@@ -797,7 +789,6 @@ impl ClusterNode {
         if self.exited {
             return;
         }
-        self.connected = false;
         self.end_current(false);
         self.actions.push_back(NodeAction::Reconnect);
     }
@@ -1025,7 +1016,6 @@ mod tests {
     #[test]
     fn a_node_restarted_since_says_nothing_on_finish() {
         let mut n = ClusterNode::new(NodeId(1));
-        n.handle_connected(Time::ZERO);
         n.handle_order(Time::ZERO, Order::Finish { generation: 3 });
         assert_eq!(n.poll_action(), None);
         n.handle_order(

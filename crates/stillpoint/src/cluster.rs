@@ -550,20 +550,13 @@ impl CoordinatorProcess<'_> {
         for input in self.early.drain(..) {
             let _sent = self.inputs.0.send(input);
         }
-        let fatal = |error: EngineError, fatal: &mut Option<EngineError>| {
-            let reason = error.to_string();
-            *fatal = Some(error);
-            Ok(RunEnd::Fatal(reason))
+        let coordinator = match highest_checkpoint(self.runtime, self.store).and_then(|id| {
+            let highest_seen = id.max(plan.newest_published.unwrap_or(CheckpointId(0)));
+            coordinator_machine(self.config, self.topology, restore_id, highest_seen)
+        }) {
+            Ok(machine) => machine,
+            Err(error) => return Ok(self.fatal(error)),
         };
-        let highest_seen = match highest_checkpoint(self.runtime, self.store) {
-            Ok(id) => id.max(plan.newest_published.unwrap_or(CheckpointId(0))),
-            Err(error) => return fatal(error, &mut self.fatal),
-        };
-        let coordinator =
-            match coordinator_machine(self.config, self.topology, restore_id, highest_seen) {
-                Ok(machine) => machine,
-                Err(error) => return fatal(error, &mut self.fatal),
-            };
         let routes: BTreeMap<NodeId, Sender<Envelope>> = self
             .links
             .iter()
@@ -622,8 +615,15 @@ impl CoordinatorProcess<'_> {
                 reason: error.to_string(),
                 progress: self.report.checkpoints.len() > completed_before,
             },
-            Err(error) => return fatal(error, &mut self.fatal),
+            Err(error) => self.fatal(error),
         })
+    }
+
+    /// Keeps `error` for the caller; the machine hears why the run cannot go on.
+    fn fatal(&mut self, error: EngineError) -> RunEnd {
+        let reason = error.to_string();
+        self.fatal = Some(error);
+        RunEnd::Fatal(reason)
     }
 }
 
@@ -1207,9 +1207,8 @@ impl NodeState<'_> {
         (writer, to_self): (&Sender<Envelope>, &Sender<NodeEvent>),
     ) -> Result<bool, EngineError> {
         let mut current: Option<Generation> = None;
-        // What each start brought besides its generation: the replay bounds, the token.
-        let mut starts: BTreeMap<u64, (Option<Bounds>, Vec<u8>)> = BTreeMap::new();
-        self.machine.handle_connected(self.now());
+        // What the newest start brought besides its generation: replay bounds, token.
+        let mut start: Option<(u64, Option<Bounds>, Vec<u8>)> = None;
         let mut events = events.iter();
         loop {
             let now = self.now();
@@ -1255,8 +1254,7 @@ impl NodeState<'_> {
                             let bounds: Option<Bounds> = replay.map(|bounds| {
                                 bounds.into_iter().map(|p| (p.task, p.offset)).collect()
                             });
-                            starts.clear();
-                            starts.insert(generation, (bounds, token));
+                            start = Some((generation, bounds, token));
                             Order::Start {
                                 generation,
                                 checkpoint: checkpoint.map(CheckpointId),
@@ -1279,7 +1277,11 @@ impl NodeState<'_> {
                         generation,
                         checkpoint,
                     } => {
-                        let (bounds, token) = starts.remove(&generation).unwrap_or_default();
+                        let (bounds, token) = start
+                            .take()
+                            .filter(|(g, ..)| *g == generation)
+                            .map(|(_, bounds, token)| (bounds, token))
+                            .unwrap_or_default();
                         let built = self.start(
                             generation,
                             checkpoint,

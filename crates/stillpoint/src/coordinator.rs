@@ -146,21 +146,12 @@ impl CoordinatorDriver<'_> {
                     self.seen.stash.push(input);
                     return Err(EngineError::NodeLost(reason));
                 }
-                Ok(
-                    input @ CoordinatorInput::Node {
-                        message: stillpoint_wire::EngineMessage::TaskFailed { .. },
-                        ..
-                    },
-                ) => {
-                    let CoordinatorInput::Node {
-                        node,
-                        message: stillpoint_wire::EngineMessage::TaskFailed { task, error, .. },
-                        ..
-                    } = &input
-                    else {
-                        continue;
-                    };
-                    let reason = format!("{}: {error} (on {node})", TaskId(*task));
+                Ok(CoordinatorInput::Node {
+                    node,
+                    message: stillpoint_wire::EngineMessage::TaskFailed { task, error, .. },
+                    ..
+                }) => {
+                    let reason = format!("{}: {error} (on {node})", TaskId(task));
                     self.abort_in_flight(&reason);
                     return Err(EngineError::Failed(reason));
                 }

@@ -461,9 +461,7 @@ impl World {
         let faults = self.config.faults.clone();
         let room = self.faults < faults.max_faults;
         if room && self.rng.chance(faults.node_crash_per_ms) {
-            let node = NodeId(
-                1 + u32::try_from(self.rng.below(u64::from(self.config.nodes))).unwrap_or(0),
-            );
+            let node = self.random_node();
             self.crash_node(node);
         }
         if room && self.rng.chance(faults.disconnect_per_ms) {
@@ -486,26 +484,12 @@ impl World {
         {
             self.faults += 1;
             self.note(|| "the coordinator crashes".to_owned());
-            self.coordinator.machine = None;
-            self.coordinator.running = None;
-            let open: Vec<u64> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| {
-                    c.open && c.coordinator_incarnation == self.coordinator.incarnation
-                })
-                .map(|(id, _)| *id)
-                .collect();
-            for conn in open {
-                self.break_conn(conn);
-            }
+            self.coordinator_exits();
             let delay = 20 + self.rng.below(280);
             self.at(delay, Event::CoordinatorStarts);
         }
         if room && self.rng.chance(faults.task_failure_per_ms) {
-            let node = NodeId(
-                1 + u32::try_from(self.rng.below(u64::from(self.config.nodes))).unwrap_or(0),
-            );
+            let node = self.random_node();
             let now = self.time();
             if let Some(proc_) = self.nodes.get_mut(&node)
                 && let Some(machine) = &mut proc_.machine
@@ -518,6 +502,28 @@ impl World {
             }
         }
         self.advance_run()
+    }
+
+    /// The coordinator process ends (crashed or done): its connections break.
+    fn coordinator_exits(&mut self) {
+        self.coordinator.machine = None;
+        self.coordinator.running = None;
+        let incarnation = self.coordinator.incarnation;
+        let open: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.open && c.coordinator_incarnation == incarnation)
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in open {
+            self.break_conn(conn);
+        }
+    }
+
+    /// One of the nodes, uniformly.
+    fn random_node(&mut self) -> NodeId {
+        let index = self.rng.below(u64::from(self.config.nodes));
+        NodeId(1 + u32::try_from(index).unwrap_or(0))
     }
 
     fn crash_node(&mut self, node: NodeId) {
@@ -665,9 +671,6 @@ impl World {
                     return Ok(());
                 }
                 self.note(|| format!("{node} connected on {conn}"));
-                if let Some(machine) = self.nodes.get_mut(&node).and_then(|p| p.machine.as_mut()) {
-                    machine.handle_connected(now);
-                }
                 if let Some(machine) = &mut self.coordinator.machine {
                     machine.handle_connected(now, node, conn);
                 }
@@ -1050,19 +1053,7 @@ impl World {
                     self.at(delay, Event::FinishRecorded { incarnation });
                 }
                 ClusterAction::Done(outcome) => {
-                    self.coordinator.machine = None;
-                    // The process exits: its connections close.
-                    let open: Vec<u64> = self
-                        .conns
-                        .iter()
-                        .filter(|(_, c)| {
-                            c.open && c.coordinator_incarnation == self.coordinator.incarnation
-                        })
-                        .map(|(id, _)| *id)
-                        .collect();
-                    for conn in open {
-                        self.break_conn(conn);
-                    }
+                    self.coordinator_exits();
                     self.coordinator.done = Some(outcome);
                     return Ok(());
                 }
