@@ -222,8 +222,8 @@ impl LeaseRecord {
     }
 }
 
-/// A held lease. Refresh it before it expires ([`Lease::needs_refresh`]); a commit
-/// checks it ([`Lease::check`]).
+/// A held lease. Refresh it before it expires ([`Lease::needs_refresh`]), or let a
+/// keeper task do it ([`Lease::keep`]); a commit checks it ([`Lease::check`]).
 #[derive(Debug)]
 pub struct Lease {
     store: Store,
@@ -295,6 +295,16 @@ impl Fence {
                 "its write deadline {} passed without a refresh",
                 rfc3339(until)
             )));
+        }
+        Ok(())
+    }
+
+    /// Fails with [`StoreError::LeaseLost`] once the lease was found lost or was
+    /// released (the fence closed for good). Unlike [`Fence::check`], a refresh that
+    /// is late but may still get through is not a failure.
+    pub fn check_held(&self) -> Result<(), StoreError> {
+        if self.state.lost.load(Ordering::SeqCst) {
+            return self.check();
         }
         Ok(())
     }
@@ -567,6 +577,130 @@ impl Lease {
             .await?;
         tracing::info!(scope = self.scope, owner = released.owner, "lease released");
         Ok(())
+    }
+}
+
+impl Lease {
+    /// Hands the lease to a keeper task on `runtime` that refreshes it whenever a
+    /// third of its TTL has passed, whatever the holder is doing.
+    ///
+    /// A holder that renews its lease between its own steps loses it to any step
+    /// that takes longer than the refresh margin — a commit waiting out retries on a
+    /// flaky store, a long garbage collection. The keeper runs beside it instead
+    /// (give it a multi-thread runtime, so it runs while the holder's thread is
+    /// busy or blocked). A refresh that fails on a temporary error is retried; the
+    /// fence stays the safety net, closing writes a quarter of the TTL before the
+    /// lease would lapse if no refresh gets through. A lease found lost closes the
+    /// fence for good and stops the keeper.
+    #[must_use]
+    pub fn keep(self, runtime: &tokio::runtime::Handle) -> KeptLease {
+        let lease = Arc::new(self);
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let keeper = runtime.spawn(keep_fresh(Arc::clone(&lease), stopped));
+        KeptLease {
+            lease,
+            stop: Some(stop),
+            keeper: Some(keeper),
+        }
+    }
+
+    /// How long until the lease needs a refresh (zero when it does now).
+    fn until_refresh(&self) -> Duration {
+        let record = self.record();
+        let ttl = ttl_millis(&self.config);
+        let due = record.expires_at_millis.saturating_sub(ttl - ttl / 3);
+        Duration::from_millis(due.saturating_sub(self.clock.now_millis()))
+    }
+}
+
+/// A lease refreshed by a task of its own ([`Lease::keep`]). It derefs to the
+/// [`Lease`] for commits and checks; [`KeptLease::release`] stops the keeper and
+/// gives the lease up, and dropping it stops the keeper without releasing (a
+/// crashed holder's lease runs out its TTL).
+#[derive(Debug)]
+pub struct KeptLease {
+    lease: Arc<Lease>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    keeper: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::ops::Deref for KeptLease {
+    type Target = Lease;
+
+    fn deref(&self) -> &Lease {
+        &self.lease
+    }
+}
+
+impl KeptLease {
+    /// Stops the keeper (after a refresh in flight finishes) and releases the lease.
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        self.stop_keeper().await;
+        let lease = Arc::clone(&self.lease);
+        drop(self);
+        match Arc::try_unwrap(lease) {
+            Ok(lease) => lease.release().await,
+            // Only the keeper shared it; a keeper that could not be joined may still.
+            Err(lease) => {
+                lease.fence.close();
+                tracing::warn!("the lease is still shared; left to run out its TTL");
+                Ok(())
+            }
+        }
+    }
+
+    async fn stop_keeper(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _stopped = stop.send(());
+        }
+        if let Some(keeper) = self.keeper.take()
+            && let Err(error) = keeper.await
+        {
+            tracing::warn!(%error, "the lease keeper ended abnormally");
+        }
+    }
+}
+
+impl Drop for KeptLease {
+    fn drop(&mut self) {
+        if let Some(keeper) = &self.keeper {
+            keeper.abort();
+        }
+    }
+}
+
+/// The keeper's loop: wake when a refresh is due (or at least every sixth of the
+/// TTL, so a clock that jumps is noticed), refresh, retry temporary failures.
+async fn keep_fresh(lease: Arc<Lease>, mut stop: tokio::sync::oneshot::Receiver<()>) {
+    let ttl = lease.config.ttl;
+    let poll = (ttl / 6).max(Duration::from_millis(1));
+    let retry = (ttl / 20).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut wait = lease.until_refresh().min(poll);
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+        if !lease.needs_refresh() {
+            wait = lease.until_refresh().min(poll);
+            continue;
+        }
+        wait = match lease.refresh().await {
+            Ok(()) => lease.until_refresh().min(poll),
+            Err(error @ StoreError::LeaseLost { .. }) => {
+                tracing::error!(%error, "the lease is lost; this holder's writes are fenced");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(
+                    %error,
+                    retry_in = ?retry,
+                    write_time_left = ?lease.fence.time_left(),
+                    "refreshing the lease failed; retrying"
+                );
+                retry
+            }
+        };
     }
 }
 

@@ -72,7 +72,8 @@ pub use faults::{FaultConfig, FaultOperations};
 pub use gc::{GcBackoff, GcPlan, GcReport, Retention};
 pub use journal::{Journal, JournalConfig, Resumed};
 pub use lease::{
-    Clock, Fence, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock, lease_holder,
+    Clock, Fence, KeptLease, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock,
+    lease_holder,
 };
 pub use progress::{Progress, TransferEvent, TransferKind};
 pub use restore::restore_checkpoint;

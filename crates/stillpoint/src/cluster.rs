@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use stillpoint_backup::{Lease, Store, StoreError, SystemClock};
+use stillpoint_backup::{KeptLease, Store, StoreError};
 use stillpoint_state::KeyGroups;
 use stillpoint_task::{
     ClusterAction, ClusterCoordinator, ClusterNode, NodeAction, NodeReport, Order, RunEnd, Time,
@@ -39,7 +39,7 @@ use crate::build::{
 use crate::coordinator::{CoordinatorDriver, Seen};
 use crate::dataflow::{Bounds, RestorePlan};
 use crate::job::{
-    coordinator_machine, data_channel, gc_backoff, highest_checkpoint, lease_config, runtime,
+    coordinator_machine, data_channel, gc_backoff, highest_checkpoint, open_leased_store, runtime,
 };
 use crate::metrics::{Metrics, Served};
 use crate::net::{EdgeEnd, connect_retrying, edge_receiver, edge_sender, writer_loop};
@@ -189,16 +189,7 @@ pub fn run_coordinator(
     flow.check()?;
     let cluster = cluster_of(config)?;
     let runtime = runtime()?;
-    let store = Store::open(&config.store_uri(), config.store_options.clone())?;
-    let lease = runtime.block_on(Lease::acquire_job(
-        &store,
-        lease_config(config),
-        Arc::new(SystemClock),
-    ))?;
-    // Everything this run writes goes through the lease's fence: once the lease is
-    // lost, or close to lapsing without a refresh (a paused process), nothing more
-    // of this run lands in the store — not even an export thread's upload.
-    let store = store.fenced(lease.fence());
+    let (store, lease) = open_leased_store(&runtime, config)?;
     // A coordinator restarted after it told the nodes to exit: the job is done.
     if let Some(id) = already_finished(&runtime, &store)? {
         let report = JobReport {
@@ -298,7 +289,7 @@ struct CoordinatorProcess<'a> {
     runtime: &'a tokio::runtime::Runtime,
     store: &'a Store,
     /// The job's lease (lent to the coordinator driver while a generation runs).
-    lease: Option<Lease>,
+    lease: Option<KeptLease>,
     epoch: Instant,
     nodes: u32,
     metrics: &'a Arc<Metrics>,
@@ -335,8 +326,9 @@ impl CoordinatorProcess<'_> {
             if self.options.stop.requested() {
                 machine.handle_stop(self.now());
             }
+            // The lease's keeper refreshes it; a lease found lost ends the run.
             if let Some(lease) = &self.lease {
-                keep_lease(self.runtime, lease)?;
+                lease.fence().check_held()?;
             }
             let missing = machine.missing();
             if !missing.is_empty() && logged.elapsed() > Duration::from_secs(5) {
@@ -788,14 +780,6 @@ fn accept_node(
                 }
             }
         });
-}
-
-/// Keeps the lease fresh while the coordinator waits.
-fn keep_lease(runtime: &tokio::runtime::Runtime, lease: &Lease) -> Result<(), EngineError> {
-    if lease.needs_refresh() {
-        runtime.block_on(lease.refresh())?;
-    }
-    Ok(())
 }
 
 /// Marks the job finished at its newest committed checkpoint (the final one).

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use stillpoint_backup::{GcBackoff, Lease, Store, gc};
+use stillpoint_backup::{GcBackoff, KeptLease, Store, gc};
 use stillpoint_task::{Coordinator, CoordinatorAction, ManifestRequest, Time};
 use stillpoint_wire::{
     CheckpointId, CheckpointKind, CheckpointManifest, Message, SourceOffset, SourcePosition,
@@ -24,7 +24,7 @@ use crate::{
 pub(crate) struct CoordinatorDriver<'a> {
     pub(crate) coordinator: Coordinator,
     pub(crate) store: Store,
-    pub(crate) lease: Lease,
+    pub(crate) lease: KeptLease,
     pub(crate) runtime: &'a tokio::runtime::Runtime,
     /// Delivers a message to a task (through whatever transport reaches it).
     pub(crate) control: Box<dyn Fn(TaskId, Message) + 'a>,
@@ -202,9 +202,8 @@ impl CoordinatorDriver<'_> {
                     return Ok(());
                 }
             }
-            if self.lease.needs_refresh() {
-                self.runtime.block_on(self.lease.refresh())?;
-            }
+            // The lease's keeper refreshes it; a lease found lost ends the run.
+            self.lease.fence().check_held()?;
         }
     }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use serde::{Deserialize, Serialize};
 use stillpoint_backup::{
-    GcBackoff, Lease, LeaseConfig, Retention, Store, StoreOptions, SystemClock,
+    GcBackoff, KeptLease, Lease, LeaseConfig, Retention, Store, StoreOptions, SystemClock,
 };
 use stillpoint_state::{KeyGroups, StateConfig};
 use stillpoint_task::{CompletedCheckpoint, Coordinator, CoordinatorConfig, Time};
@@ -296,16 +296,7 @@ pub fn run(
     flow.check()?;
     let _work_dir = lock_work_dir(&config.work_dir)?;
     let runtime = runtime()?;
-    let store = Store::open(&config.store_uri(), config.store_options.clone())?;
-    let lease = runtime.block_on(Lease::acquire_job(
-        &store,
-        lease_config(config),
-        Arc::new(SystemClock),
-    ))?;
-    // Everything this run writes goes through the lease's fence: once the lease is
-    // lost, or close to lapsing without a refresh (a paused process), nothing more
-    // of this run lands in the store — not even an export thread's upload.
-    let store = store.fenced(lease.fence());
+    let (store, lease) = open_leased_store(&runtime, config)?;
 
     let topology = Topology::of(&flow);
     let groups = KeyGroups::new(config.max_parallelism)?;
@@ -483,7 +474,26 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, EngineError> {
         .map_err(|e| EngineError::io("start", "tokio runtime", &e))
 }
 
-pub(crate) fn lease_config(config: &JobConfig) -> LeaseConfig {
+/// Opens the job's store, takes its lease (kept fresh by a task on `runtime`) and
+/// fences the store with it: once the lease is lost, or close to lapsing without a
+/// refresh (a paused process), nothing more of this run lands in the store — not
+/// even an export thread's upload.
+pub(crate) fn open_leased_store(
+    runtime: &tokio::runtime::Runtime,
+    config: &JobConfig,
+) -> Result<(Store, KeptLease), EngineError> {
+    let store = Store::open(&config.store_uri(), config.store_options.clone())?;
+    let lease = runtime
+        .block_on(Lease::acquire_job(
+            &store,
+            lease_config(config),
+            Arc::new(SystemClock),
+        ))?
+        .keep(runtime.handle());
+    Ok((store.fenced(lease.fence()), lease))
+}
+
+fn lease_config(config: &JobConfig) -> LeaseConfig {
     LeaseConfig {
         ttl: config.lease_ttl,
         settle: Duration::from_millis(50),

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 use stillpoint_backup::journal::{self, JournalFile, JournalFileKind};
 use stillpoint_backup::{
-    EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, LeaseConfig,
+    Clock, EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, LeaseConfig,
     LeaseRecord, ListingStatus, ManualClock, Resumed, Retention, RetryPolicy, Store, StoreError,
     StoreOptions, SystemClock, TransferEvent, VerifyDepth, gc, lease_holder, restore_checkpoint,
 };
@@ -33,6 +33,7 @@ macro_rules! contract_cases {
             racing_writers_never_both_get_the_lease,
             a_conditional_create_has_one_winner_among_concurrent_writers,
             a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost,
+            a_kept_lease_outlives_a_blocked_holder_on_a_flaky_store_and_stops_when_taken,
             a_corrupt_lease_file_is_ignored_but_a_live_claim_still_holds,
             damage_only_in_the_store_restores_from_intact_local_copies,
             gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the_unreferenced,
@@ -849,6 +850,99 @@ pub async fn a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost(env:
         assert!(report.is_intact(), "{id}: {:?}", report.problems);
     }
     successor.fence().check().unwrap();
+}
+
+/// A kept lease is refreshed by its keeper task while the holder's own thread is
+/// blocked for several TTLs on a store failing 15 % of its operations (a holder that
+/// refreshed between its own steps lost it: the coordinator, blocked in a commit
+/// waiting out retries). Taken over, the keeper stops and never overwrites the
+/// successor; released, the lease is free.
+pub async fn a_kept_lease_outlives_a_blocked_holder_on_a_flaky_store_and_stops_when_taken(
+    env: &Env,
+) {
+    let faults = FaultConfig::new(0.15, 11);
+    let options = StoreOptions {
+        faults: Some(faults.clone()),
+        retry: RetryPolicy {
+            max_retries: 8,
+            min_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(40),
+        },
+        ..StoreOptions::default()
+    };
+    let store = env.store("store", options);
+    let ttl = Duration::from_millis(600);
+    let config = |reclaim_own| LeaseConfig {
+        ttl,
+        reclaim_own,
+        ..quick_lease("kept")
+    };
+    let lease = Lease::acquire_job(&store, config(false), Arc::new(SystemClock))
+        .await
+        .unwrap();
+    let first_expiry = lease.record().expires_at_millis;
+    let kept = lease.keep(&tokio::runtime::Handle::current());
+
+    // The holder's thread blocks for more than three TTLs.
+    std::thread::sleep(ttl * 7 / 2);
+    kept.fence().check().unwrap();
+    kept.check().await.unwrap();
+    assert!(
+        kept.record().expires_at_millis >= first_expiry + 2 * 600,
+        "never refreshed"
+    );
+    assert!(faults.injected() > 0, "no fault was injected");
+
+    // Another process claims the next owner id and writes the lease: the keeper's
+    // next refresh finds it lost and closes the fence.
+    let successor = LeaseRecord {
+        owner: kept.owner() + 1,
+        instance: "successor".to_owned(),
+        expires_at_millis: SystemClock.now_millis() + 60_000,
+        ..kept.record()
+    };
+    plant(&store, &successor).await;
+    let deadline = std::time::Instant::now() + ttl * 10;
+    while kept.fence().check_held().is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the keeper never noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(matches!(
+        kept.fence().check(),
+        Err(StoreError::LeaseLost { .. })
+    ));
+    // Stopped: it never writes the lease again (a refresh in flight during the
+    // takeover may have, which is why the successor writes it once more here).
+    plant(&store, &successor).await;
+    std::thread::sleep(ttl * 2);
+    let now = SystemClock.now_millis();
+    let holder = lease_holder(&store, "lease/", now).await.unwrap().unwrap();
+    assert_eq!(holder.owner, successor.owner);
+    assert_eq!(holder.instance, "successor");
+    // Releasing a lost lease leaves the successor's alone.
+    kept.release().await.unwrap();
+    let holder = lease_holder(&store, "lease/", now).await.unwrap().unwrap();
+    assert_eq!(holder.instance, "successor");
+
+    // The successor releases it; a lease kept and released is free at once.
+    let released = LeaseRecord {
+        released: true,
+        expires_at_millis: SystemClock.now_millis(),
+        ..successor.clone()
+    };
+    plant(&store, &released).await;
+    let fresh = Lease::acquire_job(&store, config(true), Arc::new(SystemClock))
+        .await
+        .unwrap();
+    assert!(fresh.owner() > successor.owner);
+    let kept = fresh.keep(&tokio::runtime::Handle::current());
+    std::thread::sleep(ttl);
+    kept.release().await.unwrap();
+    let now = SystemClock.now_millis();
+    assert!(lease_holder(&store, "lease/", now).await.unwrap().is_none());
 }
 
 /// A lease file that does not parse protects nobody and is ignored with a warning;
