@@ -545,10 +545,22 @@ impl Lease {
     pub async fn refresh(&self) -> Result<(), StoreError> {
         self.check().await?;
         let mut next = self.record();
-        next.expires_at_millis = self
-            .clock
-            .now_millis()
-            .saturating_add(ttl_millis(&self.config));
+        // The store has no compare-and-swap: a holder paused between the check and
+        // the write (a stopped process, a stalled thread) must not land a stale
+        // refresh over its successor's record when it resumes. Like every fenced
+        // write, the refresh goes out only while the lease is still live now.
+        let now = self.clock.now_millis();
+        if !next.live_at(now) {
+            self.fence.close();
+            return Err(StoreError::LeaseLost {
+                owner: next.owner,
+                reason: format!(
+                    "it expired at {} while it was being refreshed (the holder was paused)",
+                    rfc3339(next.expires_at_millis)
+                ),
+            });
+        }
+        next.expires_at_millis = now.saturating_add(ttl_millis(&self.config));
         self.store
             .put_raw(&current_path(&self.scope), encode(&next), false)
             .await?;

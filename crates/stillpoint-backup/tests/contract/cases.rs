@@ -34,6 +34,7 @@ macro_rules! contract_cases {
             a_conditional_create_has_one_winner_among_concurrent_writers,
             a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost,
             a_kept_lease_outlives_a_blocked_holder_on_a_flaky_store_and_stops_when_taken,
+            a_holder_paused_inside_a_refresh_writes_nothing_when_it_resumes,
             a_corrupt_lease_file_is_ignored_but_a_live_claim_still_holds,
             damage_only_in_the_store_restores_from_intact_local_copies,
             gc_keeps_the_newest_checkpoints_and_savepoints_and_deletes_only_the_unreferenced,
@@ -850,6 +851,58 @@ pub async fn a_fenced_store_writes_nothing_once_its_lease_lapses_or_is_lost(env:
         assert!(report.is_intact(), "{id}: {:?}", report.problems);
     }
     successor.fence().check().unwrap();
+}
+
+/// A clock that jumps forward on a chosen later reading: a holder paused (SIGSTOP)
+/// between two readings of its clock.
+#[derive(Debug)]
+struct PausingClock {
+    now: std::sync::atomic::AtomicU64,
+    /// Readings left until the jump (0: none armed).
+    jump_in: std::sync::atomic::AtomicU64,
+    by: u64,
+}
+
+impl Clock for PausingClock {
+    fn now_millis(&self) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
+        let left = self.jump_in.load(SeqCst);
+        if left > 0 {
+            self.jump_in.store(left - 1, SeqCst);
+            if left == 1 {
+                self.now.fetch_add(self.by, SeqCst);
+            }
+        }
+        self.now.load(SeqCst)
+    }
+}
+
+/// A holder paused after its refresh checked the lease and before it wrote the new
+/// expiry resumes long after the lease lapsed: the refresh fails as lost and writes
+/// nothing, so the lease is free for a successor (it would otherwise hold a fresh
+/// record of the dead holder's).
+pub async fn a_holder_paused_inside_a_refresh_writes_nothing_when_it_resumes(env: &Env) {
+    let store = env.store("store", StoreOptions::default());
+    let clock = Arc::new(PausingClock {
+        now: std::sync::atomic::AtomicU64::new(1_000_000),
+        jump_in: std::sync::atomic::AtomicU64::new(0),
+        by: 150_000,
+    });
+    let first = Lease::acquire_job(&store, quick_lease("a"), Arc::clone(&clock) as _)
+        .await
+        .unwrap();
+    // The check reads the clock once; the pause comes right after it.
+    clock.jump_in.store(2, std::sync::atomic::Ordering::SeqCst);
+    let refreshed = first.refresh().await;
+    assert!(
+        matches!(&refreshed, Err(StoreError::LeaseLost { owner: 1, reason }) if reason.contains("paused")),
+        "{refreshed:?}"
+    );
+    assert!(first.fence().check().is_err(), "the fence stays closed");
+    let second = Lease::acquire_job(&store, quick_lease("b"), Arc::clone(&clock) as _)
+        .await
+        .unwrap();
+    assert_eq!(second.owner(), 2);
 }
 
 /// A kept lease is refreshed by its keeper task while the holder's own thread is
