@@ -491,10 +491,7 @@ impl Lease {
     /// Whether a third of the TTL has passed since the last refresh.
     #[must_use]
     pub fn needs_refresh(&self) -> bool {
-        let record = self.record();
-        let now = self.clock.now_millis();
-        let ttl = ttl_millis(&self.config);
-        now.saturating_add(ttl - ttl / 3) >= record.expires_at_millis
+        self.until_refresh().is_zero()
     }
 
     /// Fencing: succeeds only if the lease in the store is still ours, unexpired, and
@@ -509,17 +506,11 @@ impl Lease {
 
     async fn check_store(&self) -> Result<(), StoreError> {
         let ours = self.record();
-        let now = self.clock.now_millis();
         let lost = |reason: String| StoreError::LeaseLost {
             owner: ours.owner,
             reason,
         };
-        if !ours.live_at(now) {
-            return Err(lost(format!(
-                "it expired at {} without being refreshed",
-                rfc3339(ours.expires_at_millis)
-            )));
-        }
+        self.live_now(&ours, "without being refreshed")?;
         match read_current(&self.store, &self.scope).await? {
             Some(found) if found.same_holder(&ours) => {}
             Some(found) => {
@@ -549,17 +540,12 @@ impl Lease {
         // the write (a stopped process, a stalled thread) must not land a stale
         // refresh over its successor's record when it resumes. Like every fenced
         // write, the refresh goes out only while the lease is still live now.
-        let now = self.clock.now_millis();
-        if !next.live_at(now) {
-            self.fence.close();
-            return Err(StoreError::LeaseLost {
-                owner: next.owner,
-                reason: format!(
-                    "it expired at {} while it was being refreshed (the holder was paused)",
-                    rfc3339(next.expires_at_millis)
-                ),
-            });
-        }
+        let now = self
+            .live_now(
+                &next,
+                "while it was being refreshed (the holder was paused)",
+            )
+            .inspect_err(|_| self.fence.close())?;
         next.expires_at_millis = now.saturating_add(ttl_millis(&self.config));
         self.store
             .put_raw(&current_path(&self.scope), encode(&next), false)
@@ -614,6 +600,19 @@ impl Lease {
             stop: Some(stop),
             keeper: Some(keeper),
         }
+    }
+
+    /// The time now, or [`StoreError::LeaseLost`] when `ours` has expired by then
+    /// (`how` tells the circumstance).
+    fn live_now(&self, ours: &LeaseRecord, how: &str) -> Result<u64, StoreError> {
+        let now = self.clock.now_millis();
+        if ours.live_at(now) {
+            return Ok(now);
+        }
+        Err(StoreError::LeaseLost {
+            owner: ours.owner,
+            reason: format!("it expired at {} {how}", rfc3339(ours.expires_at_millis)),
+        })
     }
 
     /// How long until the lease needs a refresh (zero when it does now).
@@ -687,18 +686,23 @@ async fn keep_fresh(lease: Arc<Lease>, mut stop: tokio::sync::oneshot::Receiver<
     let ttl = lease.config.ttl;
     let poll = (ttl / 6).max(Duration::from_millis(1));
     let retry = (ttl / 20).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let mut wait = lease.until_refresh().min(poll);
+    let mut retrying = false;
     loop {
+        let wait = if retrying {
+            retry
+        } else {
+            lease.until_refresh().min(poll)
+        };
         tokio::select! {
             _ = &mut stop => return,
             () = tokio::time::sleep(wait) => {}
         }
         if !lease.needs_refresh() {
-            wait = lease.until_refresh().min(poll);
+            retrying = false;
             continue;
         }
-        wait = match lease.refresh().await {
-            Ok(()) => lease.until_refresh().min(poll),
+        retrying = match lease.refresh().await {
+            Ok(()) => false,
             Err(error @ StoreError::LeaseLost { .. }) => {
                 tracing::error!(%error, "the lease is lost; this holder's writes are fenced");
                 return;
@@ -710,7 +714,7 @@ async fn keep_fresh(lease: Arc<Lease>, mut stop: tokio::sync::oneshot::Receiver<
                     write_time_left = ?lease.fence.time_left(),
                     "refreshing the lease failed; retrying"
                 );
-                retry
+                true
             }
         };
     }
