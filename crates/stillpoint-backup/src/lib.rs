@@ -76,7 +76,7 @@ pub use lease::{
     lease_holder,
 };
 pub use progress::{Progress, TransferEvent, TransferKind};
-pub use restore::restore_checkpoint;
+pub use restore::{LocalRestore, fetch_for_restart, restore_checkpoint};
 pub use store::{
     CheckpointListing, DownloadReport, LatestVerified, ListingStatus, Problem, Store,
     UploadedSnapshot, VerifyDepth, VerifyReport, task_manifest_path,

@@ -1,15 +1,17 @@
-//! Restore of a whole checkpoint to a local directory: parallel, verified, and
-//! resumable through a progress journal in the store.
+//! Restore of a whole checkpoint to a local directory (parallel, verified, and
+//! resumable through a progress journal in the store), and the fetch of the
+//! snapshots a restarting process needs.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use stillpoint_wire::CheckpointId;
+use stillpoint_wire::{CheckpointId, CheckpointManifest, SnapshotManifest, TaskId};
 
 use crate::durable_fs::sync_path;
 use crate::journal::{self, Journal, JournalConfig, Resumed};
 use crate::lease::Clock;
-use crate::{DownloadReport, Progress, Store, StoreError, layout};
+use crate::{DownloadReport, Progress, Store, StoreError, VerifyDepth, layout};
 
 /// Downloads every task of committed checkpoint `id` into `dir/task-<id>/` and its
 /// global manifest to `dir/_checkpoint.json`.
@@ -102,6 +104,76 @@ pub async fn restore_checkpoint(
             Err(error)
         }
     }
+}
+
+/// The local copies of the snapshots a restarting process needs from one
+/// checkpoint.
+#[derive(Debug)]
+pub struct LocalRestore {
+    /// The checkpoint's global manifest.
+    pub manifest: CheckpointManifest,
+    /// Task (as the checkpoint recorded it) → its snapshot's manifest and local
+    /// directory.
+    pub downloads: BTreeMap<TaskId, (SnapshotManifest, PathBuf)>,
+}
+
+/// Fetches what a restart needs from committed checkpoint `id`: every file of the
+/// checkpoint is checked present first (a damaged checkpoint fails as
+/// [`StoreError::Corrupt`] naming its first problem, before anything is downloaded),
+/// then the snapshots of the tasks `wanted` picks from its manifest are downloaded
+/// into `dir/task-N` — every byte checked against its digest, local files that
+/// already match kept, files the snapshot does not list removed.
+pub async fn fetch_for_restart<E: From<StoreError>>(
+    store: &Store,
+    id: CheckpointId,
+    dir: &Path,
+    wanted: impl FnOnce(&CheckpointManifest) -> Result<Vec<TaskId>, E>,
+) -> Result<LocalRestore, E> {
+    let verified = store.verify(id, VerifyDepth::Presence, &()).await?;
+    if let Some(problem) = verified.problems.first() {
+        return Err(StoreError::Corrupt {
+            path: problem.object.clone(),
+            problem: format!("{problem} ({} problem(s) in all)", verified.problems.len()),
+        }
+        .into());
+    }
+    let manifest = store.checkpoint(id).await?;
+    let wanted = wanted(&manifest)?;
+    let mut downloads = BTreeMap::new();
+    for reference in manifest.tasks.iter().filter(|r| wanted.contains(&r.task)) {
+        let snapshot = store.task_manifest(reference).await?;
+        let target = dir.join(format!("task-{}", reference.task.get()));
+        // Anything left there from another checkpoint is replaced.
+        if target.exists() {
+            remove_unlisted(&target, &snapshot)?;
+        }
+        store.download_snapshot(&snapshot, &target, &()).await?;
+        downloads.insert(reference.task, (snapshot, target));
+    }
+    Ok(LocalRestore {
+        manifest,
+        downloads,
+    })
+}
+
+/// Removes files of a previous restore that `snapshot` does not list (a restore
+/// directory must hold exactly the snapshot's files).
+fn remove_unlisted(dir: &Path, snapshot: &SnapshotManifest) -> Result<(), StoreError> {
+    let keep: BTreeSet<&str> = snapshot.files.iter().map(|f| f.path.as_str()).collect();
+    let entries = std::fs::read_dir(dir).map_err(|e| StoreError::local("list", dir, &e))?;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !keep.contains(name.as_str()) {
+            let path = entry.path();
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.map_err(|e| StoreError::local("remove", &path, &e))?;
+        }
+    }
+    Ok(())
 }
 
 /// Whether `dir` exists and holds any entry.

@@ -69,7 +69,8 @@ use stillpoint_backup::{EncryptionKey, FaultConfig, Retention, S3Credentials, St
 use stillpoint_state::{Compression, StateConfig};
 use stillpoint_wire::StreamId;
 
-use stillpoint::{ClusterConfig, ClusterSecret, EngineError, JobConfig};
+use stillpoint::{EngineError, JobConfig};
+use stillpoint_cluster::{ClusterConfig, ClusterSecret};
 use stillpoint_connectors::{WordCount, WordInput};
 
 /// A job file that cannot be used.
@@ -111,6 +112,8 @@ pub struct Job {
     pub config: JobConfig,
     /// The pipeline (the built-in keyed word count).
     pub pipeline: WordCount,
+    /// Its processes when it runs as a cluster (`[cluster]`; `None`: one process).
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl Job {
@@ -121,6 +124,7 @@ impl Job {
         Self::from_toml("", "<defaults>").unwrap_or_else(|_| Self {
             config: JobConfig::new("./stillpoint-data"),
             pipeline: WordCount::generated(2, 3, 1_000_000, "./stillpoint-data/output"),
+            cluster: None,
         })
     }
 
@@ -627,7 +631,7 @@ impl JobFile {
                 ),
             ));
         }
-        config.cluster = cluster.zip(secret).map(|(c, secret)| ClusterConfig {
+        let cluster = cluster.zip(secret).map(|(c, secret)| ClusterConfig {
             coordinator: c.coordinator,
             nodes: c.nodes,
             connect_timeout: c.connect_timeout,
@@ -642,7 +646,11 @@ impl JobFile {
                 .output
                 .unwrap_or_else(|| job.work_dir.join("output")),
         };
-        Ok(Job { config, pipeline })
+        Ok(Job {
+            config,
+            pipeline,
+            cluster,
+        })
     }
 }
 
@@ -735,7 +743,7 @@ input = { kind = "files", paths = ["in.txt"] }
         );
         assert_eq!(job.pipeline.output, PathBuf::from("/tmp/x/output"));
         assert!(matches!(job.pipeline.input, WordInput::Files { .. }));
-        let cluster = job.config.cluster.unwrap();
+        let cluster = job.cluster.unwrap();
         assert_eq!(cluster.nodes.len(), 2);
         assert_eq!(cluster.connect_timeout, Duration::from_secs(60));
     }

@@ -45,6 +45,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use stillpoint::{CheckpointStats, JobReport, RunOptions, StopHandle};
 use stillpoint_cli::Job;
+use stillpoint_cluster::ClusterConfig;
 use stillpoint_connectors::WordInput;
 use stillpoint_wire::NodeId;
 
@@ -153,7 +154,8 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         } => coordinator(&job, savepoint_on_stop, allow_duplicates),
         Command::Node { job, node } => {
             let loaded = Job::load(&job)?;
-            stillpoint::run_node(&loaded.config, &loaded.pipeline, NodeId(node))
+            let cluster = cluster_of(&loaded)?;
+            stillpoint_cluster::run_node(&loaded.config, cluster, &loaded.pipeline, NodeId(node))
                 .with_context(|| format!("node {node}"))?;
             print_faults(&loaded);
             Ok(ExitCode::SUCCESS)
@@ -298,7 +300,7 @@ fn run(
 ) -> Result<ExitCode> {
     let mut job = load(job, data)?;
     job.config.allow_duplicates |= allow_duplicates;
-    if job.config.cluster.is_some() {
+    if job.cluster.is_some() {
         anyhow::bail!(
             "the job has a [cluster] section: start `stillpoint coordinator` and one `stillpoint node` per node instead"
         );
@@ -319,11 +321,19 @@ fn run(
     Ok(ExitCode::SUCCESS)
 }
 
+/// The job's `[cluster]` section, which the coordinator and node commands need.
+fn cluster_of(job: &Job) -> Result<&ClusterConfig> {
+    job.cluster.as_ref().context(
+        "the job has no [cluster] section: run it with `stillpoint run`, or add [cluster] to run it across processes",
+    )
+}
+
 fn coordinator(path: &Path, savepoint: bool, allow_duplicates: bool) -> Result<ExitCode> {
     let mut job = Job::load(path)?;
     job.config.allow_duplicates |= allow_duplicates;
     let options = announce(&job, savepoint)?;
-    let report = stillpoint::run_coordinator(&job.config, &job.pipeline, options)?;
+    let cluster = cluster_of(&job)?;
+    let report = stillpoint_cluster::run_coordinator(&job.config, cluster, &job.pipeline, options)?;
     println!("done: {} checkpoint(s) this run", report.checkpoints.len());
     print_faults(&job);
     Ok(ExitCode::SUCCESS)

@@ -34,6 +34,17 @@ pub enum StateError {
         /// The codec's message.
         message: String,
     },
+    /// Another process works in this directory (two nodes with one `--node`, or two
+    /// runs of one job file): sharing it would wipe each other's state.
+    #[error(
+        "work directory {path} is in use by another process{holder}; stop it, or give this one its own work_dir (or --node)"
+    )]
+    WorkDirInUse {
+        /// The directory.
+        path: PathBuf,
+        /// `" (pid N)"` as the holder recorded it, or empty.
+        holder: String,
+    },
     /// A snapshot file listed in the manifest is missing.
     #[error("snapshot file {file} is missing from {dir}")]
     MissingFile {

@@ -64,26 +64,15 @@ impl KeyGroups {
     /// The contiguous range task `index` of `parallelism` owns (as Flink splits them:
     /// sizes differ by at most one).
     pub fn range_of(&self, parallelism: u32, index: u32) -> Result<KeyGroupRange, StateError> {
-        if parallelism == 0 || parallelism > self.max_parallelism || index >= parallelism {
-            return Err(StateError::KeyGroups {
+        KeyGroupRange::of_task(self.max_parallelism, parallelism, index).ok_or(
+            StateError::KeyGroups {
                 range: KeyGroupRange {
                     start: index,
                     end: parallelism,
                 },
                 max_parallelism: self.max_parallelism,
-            });
-        }
-        let (max, par, i) = (
-            u64::from(self.max_parallelism),
-            u64::from(parallelism),
-            u64::from(index),
-        );
-        let start = (i * max).div_ceil(par);
-        let end = ((i + 1) * max).div_ceil(par);
-        Ok(KeyGroupRange {
-            start: u32::try_from(start).unwrap_or(u32::MAX),
-            end: u32::try_from(end).unwrap_or(u32::MAX),
-        })
+            },
+        )
     }
 
     pub(crate) fn check(&self, range: KeyGroupRange) -> Result<(), StateError> {

@@ -44,6 +44,7 @@ mod keygroup;
 mod rocks;
 mod snapshot;
 mod typed;
+mod work_dir;
 
 pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
 pub use config::{Compression, StateConfig};
@@ -54,6 +55,7 @@ pub use rocks::{
 };
 pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
 pub use typed::{MapState, ValueState};
+pub use work_dir::WorkDir;
 
 /// The crate README's example, compiled and run as a doctest so it stays true.
 #[cfg(doctest)]

@@ -85,6 +85,7 @@
 
 mod cluster;
 mod coordinator;
+mod graph;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod task;
@@ -98,6 +99,7 @@ pub use coordinator::{
     CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, CoordinatorError,
     ManifestRequest, TaskReport,
 };
+pub use graph::{GraphError, Partitioning, TaskGraph};
 pub use task::{
     ConfigError, RestoredCheckpoint, TaskAction, TaskConfig, TaskError, TaskLevel, TaskMachine,
     TaskStatus,

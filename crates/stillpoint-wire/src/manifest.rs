@@ -156,6 +156,25 @@ impl KeyGroupRange {
         self.start <= group && group < self.end
     }
 
+    /// The contiguous range task `index` of `parallelism` owns out of
+    /// `max_parallelism` key groups (as Flink splits them: sizes differ by at most
+    /// one); `None` when the task or parallelism does not fit.
+    #[must_use]
+    pub fn of_task(max_parallelism: u32, parallelism: u32, index: u32) -> Option<Self> {
+        if parallelism == 0 || parallelism > max_parallelism || index >= parallelism {
+            return None;
+        }
+        let (max, par, i) = (
+            u64::from(max_parallelism),
+            u64::from(parallelism),
+            u64::from(index),
+        );
+        Some(Self {
+            start: u32::try_from((i * max).div_ceil(par)).ok()?,
+            end: u32::try_from(((i + 1) * max).div_ceil(par)).ok()?,
+        })
+    }
+
     /// The key groups in both ranges, if any.
     #[must_use]
     pub fn intersection(&self, other: &Self) -> Option<Self> {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use stillpoint_backup::{GcBackoff, KeptLease, Store, gc};
-use stillpoint_task::{Coordinator, CoordinatorAction, ManifestRequest, Time};
+use stillpoint_task::{Coordinator, CoordinatorAction, CoordinatorConfig, ManifestRequest, Time};
 use stillpoint_wire::{
     CheckpointId, CheckpointKind, CheckpointManifest, Message, SourceOffset, SourcePosition,
     TaskId, TaskSnapshotRef,
@@ -18,57 +18,58 @@ use stillpoint_wire::{
 use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Signals};
 use crate::{
-    CheckpointCallback, CheckpointStats, Dataflow, EngineError, JobConfig, JobReport, StopHandle,
+    CheckpointCallback, CheckpointStats, Dataflow, Engine, EngineError, JobConfig, JobReport,
+    RestoreChoice, RunOptions, StopHandle,
 };
 
-pub(crate) struct CoordinatorDriver<'a> {
-    pub(crate) coordinator: Coordinator,
-    pub(crate) store: Store,
-    pub(crate) lease: KeptLease,
-    pub(crate) runtime: &'a tokio::runtime::Runtime,
+struct CoordinatorDriver<'a, E> {
+    coordinator: Coordinator,
+    store: Store,
+    lease: KeptLease,
+    runtime: &'a tokio::runtime::Runtime,
     /// Delivers a message to a task (through whatever transport reaches it).
-    pub(crate) control: Box<dyn Fn(TaskId, Message) + 'a>,
-    pub(crate) inputs: Receiver<CoordinatorInput>,
-    pub(crate) signals: Arc<Signals>,
-    pub(crate) epoch: Instant,
-    pub(crate) config: &'a JobConfig,
+    control: Box<dyn Fn(TaskId, Message) + 'a>,
+    inputs: Receiver<CoordinatorInput<E>>,
+    signals: Arc<Signals>,
+    epoch: Instant,
+    config: &'a JobConfig,
     /// The dataflow: its sinks record each commit before they publish it.
-    pub(crate) flow: &'a Dataflow,
-    pub(crate) sources: Vec<TaskId>,
+    flow: &'a Dataflow,
+    sources: Vec<TaskId>,
     /// The dataflow's parallelism per stage, recorded in every checkpoint.
-    pub(crate) stages: Vec<u32>,
+    stages: Vec<u32>,
     /// What this run has learnt so far (starts empty).
-    pub(crate) seen: Seen,
-    pub(crate) backoff: GcBackoff,
-    pub(crate) report: &'a mut JobReport,
-    pub(crate) metrics: Arc<Metrics>,
-    pub(crate) stop: StopHandle,
-    pub(crate) on_checkpoint: Option<CheckpointCallback>,
+    seen: Seen,
+    backoff: GcBackoff,
+    report: &'a mut JobReport,
+    metrics: Arc<Metrics>,
+    stop: StopHandle,
+    on_checkpoint: Option<CheckpointCallback>,
+    /// The process's events that ended the run, for the caller.
+    handed_back: Vec<E>,
 }
 
 /// The coordinator driver's own bookkeeping of one run.
 #[derive(Debug, Default)]
-pub(crate) struct Seen {
+struct Seen {
     /// Sources that reached their end, at these offsets.
-    pub(crate) finished: BTreeMap<TaskId, SourceOffset>,
+    finished: BTreeMap<TaskId, SourceOffset>,
     /// The source offsets each committed, not yet completed checkpoint covers.
-    pub(crate) offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
+    offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
     /// Once a stop was requested: the newest checkpoint already triggered then; the
     /// job ends when a later one completes (a savepoint, if `stop_on_savepoint`).
-    pub(crate) stop_after: Option<CheckpointId>,
+    stop_after: Option<CheckpointId>,
     /// The stop asked for a savepoint.
-    pub(crate) stop_on_savepoint: bool,
-    /// Inputs the driver stopped at that its caller must apply (cluster mode).
-    pub(crate) stash: Vec<CoordinatorInput>,
+    stop_on_savepoint: bool,
     /// A replay up to published output: the sources not yet at their bound. No
     /// checkpoint is triggered until every one is; then one is, at once, exactly
     /// there.
-    pub(crate) replaying: BTreeSet<TaskId>,
+    replaying: BTreeSet<TaskId>,
 }
 
 impl Seen {
     /// A run's bookkeeping at its start: with the sources of `bounds` replaying.
-    pub(crate) fn replaying(bounds: Option<&crate::dataflow::Bounds>) -> Self {
+    fn replaying(bounds: Option<&crate::dataflow::Bounds>) -> Self {
         Self {
             replaying: bounds
                 .map(|b| b.keys().copied().collect())
@@ -78,7 +79,131 @@ impl Seen {
     }
 }
 
-impl CoordinatorDriver<'_> {
+/// One run of the coordinator driver: the checkpoints of one generation, from its
+/// restore until the job is done, stopped, or the generation fails.
+pub struct CheckpointRun<'a, E> {
+    /// The job's lease (handed back in [`RunEnded`]).
+    pub lease: KeptLease,
+    /// The restore the generation started from.
+    pub choice: &'a RestoreChoice,
+    /// Delivers a message to a task, through whatever transport reaches it.
+    pub route: Box<dyn Fn(TaskId, Message) + 'a>,
+    /// What the tasks (and the process around the driver) report.
+    pub inputs: Receiver<CoordinatorInput<E>>,
+    /// A crash of these stops the driver where it is.
+    pub signals: Arc<Signals>,
+    /// Where completed and aborted checkpoints are counted.
+    pub metrics: Arc<Metrics>,
+    /// The completed checkpoints are added to it.
+    pub report: &'a mut JobReport,
+    /// The stop handle and the checkpoint callback of the run.
+    pub options: &'a mut RunOptions,
+}
+
+impl<E> std::fmt::Debug for CheckpointRun<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointRun")
+            .field("choice", self.choice)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a [`CheckpointRun`] ended.
+#[derive(Debug)]
+pub struct RunEnded<E> {
+    /// `Ok` once the job is done (its input covered by a checkpoint, or stopped
+    /// after a final one); otherwise why the generation cannot go on.
+    pub result: Result<(), EngineError>,
+    /// The job's lease, back.
+    pub lease: KeptLease,
+    /// The process's events that ended the run ([`CoordinatorInput::Process`]).
+    pub handed_back: Vec<E>,
+}
+
+impl Engine {
+    /// Runs the coordinator driver over one generation: triggers checkpoints,
+    /// commits their global manifests under the lease, tells the tasks, applies
+    /// retention and decides when the job is done. Checkpoint ids continue above
+    /// every id the store or the sinks have seen.
+    pub fn run_checkpoints<E>(&self, run: CheckpointRun<'_, E>) -> RunEnded<E> {
+        let published = run.choice.plan.newest_published.unwrap_or(CheckpointId(0));
+        let machine = self.highest_checkpoint().and_then(|highest| {
+            self.coordinator_machine(run.choice.checkpoint, highest.max(published))
+        });
+        let coordinator = match machine {
+            Ok(machine) => machine,
+            Err(error) => {
+                return RunEnded {
+                    result: Err(error),
+                    lease: run.lease,
+                    handed_back: Vec::new(),
+                };
+            }
+        };
+        let mut driver = CoordinatorDriver {
+            coordinator,
+            store: self.store.clone(),
+            lease: run.lease,
+            runtime: &self.runtime,
+            control: run.route,
+            inputs: run.inputs,
+            signals: run.signals,
+            epoch: Instant::now(),
+            config: &self.config,
+            flow: &self.flow,
+            sources: self.topology.sources().to_vec(),
+            stages: self.topology.parallelisms(),
+            seen: Seen::replaying(run.choice.plan.replay.as_ref().map(|r| &r.bounds)),
+            backoff: GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60)),
+            report: run.report,
+            metrics: run.metrics,
+            stop: run.options.stop.clone(),
+            on_checkpoint: run.options.on_checkpoint.take(),
+            handed_back: Vec::new(),
+        };
+        let result = driver.run();
+        run.options.on_checkpoint = driver.on_checkpoint.take();
+        RunEnded {
+            result,
+            lease: driver.lease,
+            handed_back: driver.handed_back,
+        }
+    }
+
+    /// The highest checkpoint id the store has seen (committed or not): new ids
+    /// start above it, so an id is never reused.
+    fn highest_checkpoint(&self) -> Result<CheckpointId, EngineError> {
+        Ok(self
+            .runtime
+            .block_on(self.store.checkpoints())?
+            .iter()
+            .map(|l| l.id)
+            .max()
+            .unwrap_or(CheckpointId(0)))
+    }
+
+    fn coordinator_machine(
+        &self,
+        restored: Option<CheckpointId>,
+        highest_seen: CheckpointId,
+    ) -> Result<Coordinator, EngineError> {
+        let config = &self.config;
+        let sources = self.topology.sources().to_vec();
+        Ok(Coordinator::new(
+            CoordinatorConfig {
+                interval: config.checkpoint_interval,
+                timeout: config.checkpoint_timeout,
+                tolerable_failures: config.tolerable_failures,
+                ..CoordinatorConfig::new(config.stream, sources, self.topology.all())
+            },
+            Time::ZERO,
+            restored,
+            CheckpointId(highest_seen.get() + 1),
+        )?)
+    }
+}
+
+impl<E> CoordinatorDriver<'_, E> {
     /// Counts and logs the checkpoints a failover abandons.
     fn abort_in_flight(&self, reason: &str) {
         for checkpoint in self.coordinator.in_flight() {
@@ -91,7 +216,7 @@ impl CoordinatorDriver<'_> {
         Time::from_duration(self.epoch.elapsed())
     }
 
-    pub(crate) fn run(&mut self) -> Result<(), EngineError> {
+    fn run(&mut self) -> Result<(), EngineError> {
         let span = tracing::info_span!("coordinator", stream = %self.config.stream);
         let _entered = span.enter();
         loop {
@@ -125,39 +250,15 @@ impl CoordinatorDriver<'_> {
                 Ok(CoordinatorInput::TaskFailed { task, error }) => {
                     return Err(EngineError::Failed(format!("{task}: {error}")));
                 }
-                Ok(input @ CoordinatorInput::NodeLost { .. }) => {
-                    let CoordinatorInput::NodeLost { node, reason, .. } = &input else {
-                        continue;
-                    };
-                    let reason = format!("{node}: {reason}");
-                    self.abort_in_flight(&reason);
-                    // The cluster driver applies the loss to its node table.
-                    self.seen.stash.push(input);
-                    return Err(EngineError::NodeLost(reason));
-                }
-                Ok(input @ CoordinatorInput::Connected { .. }) => {
-                    // A node connected again while the generation ran: its old
-                    // process is gone.
-                    let CoordinatorInput::Connected { node, .. } = &input else {
-                        continue;
-                    };
-                    let reason = format!("{node} restarted");
-                    self.abort_in_flight(&reason);
-                    self.seen.stash.push(input);
-                    return Err(EngineError::NodeLost(reason));
-                }
-                Ok(CoordinatorInput::Node {
-                    node,
-                    message: stillpoint_wire::EngineMessage::TaskFailed { task, error, .. },
-                    ..
+                Ok(CoordinatorInput::Process {
+                    event,
+                    ends_run: Some(error),
                 }) => {
-                    let reason = format!("{}: {error} (on {node})", TaskId(task));
-                    self.abort_in_flight(&reason);
-                    return Err(EngineError::Failed(reason));
+                    self.abort_in_flight(&error.to_string());
+                    self.handed_back.push(event);
+                    return Err(error);
                 }
-                Ok(CoordinatorInput::Node { node, message, .. }) => {
-                    tracing::debug!(%node, ?message, "node message ignored while running");
-                }
+                Ok(CoordinatorInput::Process { .. }) => {}
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     if self.signals.crashed() {

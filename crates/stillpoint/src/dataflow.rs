@@ -20,24 +20,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// How a stage's input is spread over its tasks.
+pub use stillpoint_task::Partitioning;
+use stillpoint_task::TaskGraph;
 use stillpoint_wire::{CheckpointId, SourceOffset, SourcePosition, TaskId};
 
 use crate::{EngineError, Operator, Sink, Source};
-
-/// How a stage's input is spread over its tasks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Partitioning {
-    /// Task `i` of the upstream stage feeds task `i` (both stages have the same
-    /// parallelism); a keyed stage keeps its upstream's key groups.
-    Forward,
-    /// By the key group of the record's key: each task owns a contiguous range of key
-    /// groups, and keyed state is rescaled by those ranges.
-    Hash,
-    /// Every record to every task (each task sees the whole input, e.g. rules or a
-    /// small table). Every task owns every key group; a rescaled broadcast stage
-    /// restores the state of the old stage's first task into each of its tasks.
-    Broadcast,
-}
 
 /// Creates the source of a source stage's task `index`.
 pub type SourceFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Source>, EngineError> + Send + Sync>;
@@ -114,7 +102,7 @@ pub(crate) struct RestorePlan {
 }
 
 /// Where each source task stops in a replay up to the end of published output.
-pub(crate) type Bounds = BTreeMap<TaskId, SourceOffset>;
+pub type Bounds = BTreeMap<TaskId, SourceOffset>;
 
 /// A replay up to the end of published output: every source stops at its bound until
 /// a checkpoint taken there completes, and the sinks drop what they receive before
@@ -127,6 +115,15 @@ pub(crate) struct Replay {
     pub(crate) bounds: Bounds,
     /// The published records the replay reproduces (not published again).
     pub(crate) records: u64,
+}
+
+impl From<&Replay> for crate::Replayed {
+    fn from(replay: &Replay) -> Self {
+        Self {
+            through: replay.through,
+            records: replay.records,
+        }
+    }
 }
 
 impl<F> SinkFactory for F
@@ -378,7 +375,13 @@ impl Dataflow {
         }))
     }
 
-    /// The parallelism of each stage, in order.
+    /// The dataflow's tasks and edges.
+    pub(crate) fn graph(&self) -> TaskGraph {
+        let inputs: Vec<Partitioning> = self.stages.iter().map(|s| s.input).collect();
+        TaskGraph::new(&self.parallelisms(), &inputs)
+    }
+
+    /// The parallelism of each stage.
     #[must_use]
     pub fn parallelisms(&self) -> Vec<u32> {
         self.stages.iter().map(|s| s.parallelism).collect()

@@ -33,20 +33,12 @@ pub enum EngineError {
         /// The system's message.
         message: String,
     },
+    /// A checkpoint cannot be restored into the job's task graph.
+    #[error("invalid job: {0}")]
+    Graph(#[from] stillpoint_task::GraphError),
     /// The job description cannot run.
     #[error("invalid job: {0}")]
     Invalid(String),
-    /// Another process works in this directory (two nodes with one `--node`, or two
-    /// runs of one job file): sharing it would wipe each other's state.
-    #[error(
-        "work directory {path} is in use by another process{holder}; stop it, or give this one its own work_dir (or --node)"
-    )]
-    WorkDirInUse {
-        /// The directory.
-        path: PathBuf,
-        /// `" (pid N)"` as the holder recorded it, or empty.
-        holder: String,
-    },
     /// An injected crash stopped the job (tests and `xtask torture`).
     #[error("the job was crashed on purpose ({0})")]
     Crashed(String),
@@ -93,6 +85,17 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// Whether a restore failure means the checkpoint is bad (fall back to an older
+    /// one) rather than the store being unreachable or the job invalid (give up).
+    #[must_use]
+    pub fn is_corrupt_checkpoint(&self) -> bool {
+        match self {
+            Self::Store(error) => !error.is_unavailable(),
+            Self::State(_) => true,
+            _ => false,
+        }
+    }
+
     /// Refuses a fresh start when the store has `committed` checkpoints and none was
     /// restored (the reasons in `fell_back`, newest first); `Ok` when it has none.
     pub(crate) fn refuse_fresh_start(
@@ -119,5 +122,11 @@ impl EngineError {
             path: path.into(),
             message: error.to_string(),
         }
+    }
+}
+
+impl From<stillpoint_wire::EnvelopeError> for EngineError {
+    fn from(error: stillpoint_wire::EnvelopeError) -> Self {
+        Self::Net(error.to_string())
     }
 }

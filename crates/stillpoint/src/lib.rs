@@ -35,35 +35,46 @@
     )
 )]
 
-mod auth;
 mod build;
-mod cluster;
+mod config;
 mod coordinator;
 mod dataflow;
 mod driver;
+mod engine;
 mod error;
 mod job;
 mod metrics;
-mod net;
 mod pipeline;
 mod transport;
 
-pub use auth::{ClusterSecret, MIN_SECRET_BYTES};
-pub use cluster::{ClusterConfig, run_coordinator, run_node};
+pub use config::{
+    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, Replayed, RunOptions,
+    StartCallback, StopHandle,
+};
+pub use coordinator::{CheckpointRun, RunEnded};
 pub use dataflow::{
-    Dataflow, OperatorFactory, Partitioning, Published, SinkFactory, SourceFactory, ToDataflow,
+    Bounds, Dataflow, OperatorFactory, Partitioning, Published, SinkFactory, SourceFactory,
+    ToDataflow,
+};
+pub use engine::{
+    EdgeData, Engine, InProcess, RemoteEdge, RestoreChoice, TaskStart, Tasks, Transport,
 };
 pub use error::EngineError;
-pub use job::{
-    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, Replayed, RunOptions,
-    StartCallback, StopHandle, checkpoint_history, run, run_word_count,
-};
-pub use metrics::Metrics;
+pub use job::{checkpoint_history, run, run_word_count};
+pub use metrics::{Metrics, MetricsServer};
 pub use pipeline::{Operator, Persist, Sink, Source, SourcePoll};
+/// The job's lease as [`Engine::lease`] takes it (refreshed by a task beside its
+/// holder).
+pub use stillpoint_backup::KeptLease;
+/// The local snapshots a restart restores from ([`Engine::fetch_restore`]).
+pub use stillpoint_backup::LocalRestore;
+/// A process's hold on its work directory ([`Engine::lock_work_dir`]).
+pub use stillpoint_state::WorkDir;
 /// The keyed state an [`Operator`] works on.
 pub use stillpoint_state::{CachedState, KeyedState, MapState, ValueState};
 pub use stillpoint_wire::{BatchError, Record, decode_batch, encode_batch};
 pub use stillpoint_wire::{EngineMessage, Envelope, EnvelopeError, read_envelope, write_envelope};
+pub use transport::{CoordinatorInput, Signals};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

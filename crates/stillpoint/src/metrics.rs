@@ -49,13 +49,15 @@ type TaskLabels = Vec<(&'static str, String)>;
 
 impl Metrics {
     /// Metrics for a job of these tasks.
-    pub(crate) fn new(tasks: &[TaskId]) -> Self {
+    #[must_use]
+    pub fn new(tasks: &[TaskId]) -> Self {
         Self::with(None, tasks)
     }
 
     /// Metrics of cluster node `node`, running `tasks`: its tasks' counters only (the
     /// coordinator serves the checkpoints'), each labelled with the node.
-    pub(crate) fn for_node(node: NodeId, tasks: &[TaskId]) -> Self {
+    #[must_use]
+    pub fn for_node(node: NodeId, tasks: &[TaskId]) -> Self {
         Self::with(Some(node), tasks)
     }
 
@@ -164,7 +166,8 @@ impl Metrics {
         self.aborted.inc();
     }
 
-    pub(crate) fn restored(&self, checkpoint: u64) {
+    /// Records the checkpoint the job restored from.
+    pub fn restored(&self, checkpoint: u64) {
         self.restored_from
             .set(i64::try_from(checkpoint).unwrap_or(i64::MAX));
     }
@@ -179,60 +182,50 @@ impl Metrics {
     }
 }
 
-/// Binds `listen` and serves the metrics until the job halts. Returns the bound
-/// address (port 0 picks a free one).
-pub(crate) fn serve(
-    listen: SocketAddr,
-    metrics: Arc<Metrics>,
-    signals: Arc<Signals>,
-) -> Result<(SocketAddr, std::thread::JoinHandle<()>), EngineError> {
-    let listener = TcpListener::bind(listen)
-        .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
-    let bound = listener
-        .local_addr()
-        .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
-    tracing::info!(address = %bound, "metrics at http://{bound}/metrics");
-    let handle = std::thread::Builder::new()
-        .name("metrics".to_owned())
-        .spawn(move || {
-            while !signals.halted() {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        if let Err(error) = answer(stream, &metrics) {
-                            tracing::debug!(%error, "metrics request failed");
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "metrics endpoint stopped");
-                        return;
-                    }
-                }
-            }
-        })
-        .map_err(|e| EngineError::io("spawn", "metrics thread", &e))?;
-    Ok((bound, handle))
-}
-
-/// A metrics endpoint that stops when dropped (for the processes of a cluster job,
-/// which have no job-wide signals).
-pub(crate) struct Served {
-    /// The bound address.
-    pub(crate) address: SocketAddr,
+/// A Prometheus endpoint serving [`Metrics`] at `GET /metrics` until dropped.
+#[derive(Debug)]
+pub struct MetricsServer {
+    /// The bound address (port 0 picks a free one).
+    pub address: SocketAddr,
     signals: Arc<Signals>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
-impl Served {
-    /// Serves `metrics` at `listen` until the returned guard is dropped.
-    pub(crate) fn start(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<Self, EngineError> {
+impl MetricsServer {
+    /// Binds `listen` and serves `metrics` there until the server is dropped.
+    pub fn start(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<Self, EngineError> {
+        let listener = TcpListener::bind(listen)
+            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
+        tracing::info!(%address, "metrics at http://{address}/metrics");
         let signals = Arc::new(Signals::default());
-        let (address, handle) = serve(listen, metrics, Arc::clone(&signals))?;
+        let halt = Arc::clone(&signals);
+        let handle = std::thread::Builder::new()
+            .name("metrics".to_owned())
+            .spawn(move || {
+                while !halt.halted() {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            if let Err(error) = answer(stream, &metrics) {
+                                tracing::debug!(%error, "metrics request failed");
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "metrics endpoint stopped");
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| EngineError::io("spawn", "metrics thread", &e))?;
         Ok(Self {
             address,
             signals,
@@ -241,7 +234,7 @@ impl Served {
     }
 }
 
-impl Drop for Served {
+impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.signals.stop();
         if let Some(handle) = self.handle.take() {
@@ -314,13 +307,9 @@ mod tests {
             state_bytes: 1000,
             uploaded_bytes: 100,
         });
-        let signals = Arc::new(Signals::default());
-        let (address, handle) = serve(
-            "127.0.0.1:0".parse().unwrap(),
-            Arc::clone(&metrics),
-            Arc::clone(&signals),
-        )
-        .unwrap();
+        let server =
+            MetricsServer::start("127.0.0.1:0".parse().unwrap(), Arc::clone(&metrics)).unwrap();
+        let address = server.address;
         let response = get(address, "/metrics");
         assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
         for line in [
@@ -336,8 +325,9 @@ mod tests {
             assert!(response.contains(line), "missing {line}: {response}");
         }
         assert!(get(address, "/other").starts_with("HTTP/1.1 404"));
-        signals.stop();
-        handle.join().unwrap();
+        // Dropped with the job: the thread is joined and the port closed.
+        drop(server);
+        assert!(TcpStream::connect(address).is_err());
     }
 
     #[test]
@@ -361,12 +351,7 @@ mod tests {
     fn a_taken_port_is_an_error_naming_it() {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = taken.local_addr().unwrap();
-        let error = serve(
-            address,
-            Arc::new(Metrics::new(&[])),
-            Arc::new(Signals::default()),
-        )
-        .unwrap_err();
+        let error = MetricsServer::start(address, Arc::new(Metrics::new(&[]))).unwrap_err();
         assert!(error.to_string().contains(&address.to_string()), "{error}");
     }
 }

@@ -8,47 +8,53 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::{SendTimeoutError, Sender};
-use stillpoint_wire::{Message, NodeId, SourceOffset, TaskId};
+use stillpoint_wire::{Message, SourceOffset, TaskId};
 
 use crate::EngineError;
 
 /// Shared control channels of the tasks in one process.
 pub(crate) type ControlMap = Arc<BTreeMap<TaskId, Sender<Message>>>;
 
-/// What the coordinator driver receives.
+/// What the coordinator driver receives: the tasks' messages and reports, and
+/// events of the process around it (`E`: a cluster's node connections).
 #[derive(Debug)]
-pub(crate) enum CoordinatorInput {
+pub enum CoordinatorInput<E = std::convert::Infallible> {
     /// A protocol message from a task.
     Message(Message),
     /// A bounded source reached its end at this offset.
-    SourceFinished { task: TaskId, offset: SourceOffset },
+    SourceFinished {
+        /// The source task.
+        task: TaskId,
+        /// Its offset at the end.
+        offset: SourceOffset,
+    },
     /// A replaying source reached its bound (the end of published output).
-    SourceAtBound { task: TaskId },
+    SourceAtBound {
+        /// The source task.
+        task: TaskId,
+    },
     /// A task stopped with an error.
-    TaskFailed { task: TaskId, error: String },
-    /// A node connected (cluster mode); `writer` reaches it.
-    Connected {
-        node: NodeId,
-        connection: u64,
-        writer: crossbeam_channel::Sender<stillpoint_wire::Envelope>,
+    TaskFailed {
+        /// The task.
+        task: TaskId,
+        /// What it failed with.
+        error: String,
     },
-    /// A node's connection to the coordinator broke (cluster mode).
-    NodeLost {
-        node: NodeId,
-        connection: u64,
-        reason: String,
-    },
-    /// A node's report on its connection `connection` (cluster mode).
-    Node {
-        node: NodeId,
-        connection: u64,
-        message: stillpoint_wire::EngineMessage,
+    /// An event of the process that runs the driver (a cluster node connecting,
+    /// lost or reporting). One with `ends_run` ends a running generation with that
+    /// error — the checkpoints in flight are aborted and the event handed back to
+    /// the caller; any other is left to the caller between generations.
+    Process {
+        /// The event.
+        event: E,
+        /// Why it ends a running generation, if it does.
+        ends_run: Option<EngineError>,
     },
 }
 
-/// Job-wide flags every thread watches.
+/// Flags every thread of one generation (or job) watches.
 #[derive(Debug, Default)]
-pub(crate) struct Signals {
+pub struct Signals {
     stop: AtomicBool,
     crash: AtomicBool,
 }
@@ -71,7 +77,8 @@ impl Signals {
     }
 
     /// Whether a thread should leave its loop now.
-    pub(crate) fn halted(&self) -> bool {
+    #[must_use]
+    pub fn halted(&self) -> bool {
         self.stopping() || self.crashed()
     }
 }

@@ -26,7 +26,7 @@ use sha2::Sha256;
 use stillpoint_wire::FrameDecoder;
 use zeroize::Zeroizing;
 
-use crate::EngineError;
+use stillpoint::EngineError;
 use stillpoint_wire::{EngineMessage, Envelope, read_envelope, write_envelope};
 
 /// Shortest cluster secret accepted.

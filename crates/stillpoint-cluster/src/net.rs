@@ -17,15 +17,7 @@ use stillpoint_wire::{
     Envelope, EnvelopeError, FrameDecoder, Message, Route, TaskId, read_envelope, write_envelope,
 };
 
-use crate::EngineError;
-use crate::transport::ControlMap;
-use crate::transport::Signals;
-
-impl From<EnvelopeError> for EngineError {
-    fn from(error: EnvelopeError) -> Self {
-        Self::Net(error.to_string())
-    }
-}
+use stillpoint::{EngineError, Signals};
 
 /// A connection's writing half: envelopes from a channel, flushed whenever the
 /// channel is momentarily empty. Ends when every sender is gone or a write fails.
@@ -171,7 +163,7 @@ impl EdgeEnd {
 
 /// The receiving side of an edge connection: data and barriers into `data` (the
 /// bounded input of the downstream task, on the downstream's side), control messages
-/// into the control channel of the edge's task on this side. A message that does not
+/// into `control`, the control channel of the edge's task on this side. A message that does not
 /// belong to this edge, this direction and this generation closes the connection
 /// (the generation then fails over). Ends when the connection breaks or the
 /// generation halts; dropping `data` then tells the task its input is gone.
@@ -179,7 +171,7 @@ pub(crate) fn edge_receiver(
     stream: TcpStream,
     end: EdgeEnd,
     data: Option<Sender<Message>>,
-    control: ControlMap,
+    control: Sender<Message>,
     signals: Arc<Signals>,
 ) {
     let mut input = BufReader::with_capacity(256 * 1024, stream);
@@ -216,15 +208,9 @@ pub(crate) fn edge_receiver(
                     return;
                 }
             }
+            // A task that stopped no longer hears; the protocol tolerates it.
             _ => {
-                let target = if end.downstream_side {
-                    end.downstream
-                } else {
-                    end.upstream
-                };
-                if let Some(channel) = control.get(&target) {
-                    let _closed = channel.send(message);
-                }
+                let _closed = control.send(message);
             }
         }
     }

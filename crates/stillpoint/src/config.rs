@@ -1,0 +1,235 @@
+//! What a job is configured with and what a run reports: the job's configuration,
+//! the options that drive one run from outside, and the statistics and report it
+//! returns.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use stillpoint_backup::{Retention, StoreOptions};
+use stillpoint_state::StateConfig;
+use stillpoint_task::CompletedCheckpoint;
+use stillpoint_wire::{CheckpointId, StreamId};
+
+/// Where and how a job runs and checkpoints. Every field has a default.
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// The stream's id (default 1).
+    pub stream: StreamId,
+    /// Local working directory: live databases, snapshots, restore downloads.
+    pub work_dir: PathBuf,
+    /// The checkpoint store URI (default `file://` + `work_dir/store`).
+    pub store: Option<String>,
+    /// How the store is opened.
+    pub store_options: StoreOptions,
+    /// Checkpoint interval (default 1 s).
+    pub checkpoint_interval: Duration,
+    /// A checkpoint not complete after this is aborted (default 60 s).
+    pub checkpoint_timeout: Duration,
+    /// Consecutive failed checkpoints tolerated before the job fails (default 3).
+    pub tolerable_failures: u32,
+    /// What retention keeps.
+    pub retention: Retention,
+    /// Number of key groups, fixed for the life of the job (default 128).
+    pub max_parallelism: u32,
+    /// RocksDB and cache tuning of every task.
+    pub state: StateConfig,
+    /// The job lease's time to live (default 60 s).
+    pub lease_ttl: Duration,
+    /// Where the Prometheus metrics endpoint listens (default: off).
+    pub metrics_listen: Option<SocketAddr>,
+    /// Records a source reads into one data message (default 256).
+    pub batch_records: usize,
+    /// Data messages buffered per edge before the sender blocks (default 4). With
+    /// `batch_records` this is the latency/throughput dial: a barrier waits behind
+    /// everything queued on its edge (the alignment stall; Flink's buffer debloating
+    /// reasons the same way), while every message costs a channel hand-off and often
+    /// a thread wake-up. Measured in the engine bench (docs/performance.md): 1024 × 1
+    /// runs the 1,000-key count ≈ 20 % faster than 256 × 4 but doubles the stall p50
+    /// on a large restored state.
+    pub channel_batches: usize,
+    /// Restore even when the sinks already published output newer than the restore
+    /// point — a fallback past damaged checkpoints, a store that lost its newest
+    /// ones — accepting that it is published again (default false: such a run is
+    /// refused, naming the checkpoints and the number of records).
+    pub allow_duplicates: bool,
+}
+
+impl JobConfig {
+    /// The defaults, working under `work_dir`.
+    #[must_use]
+    pub fn new(work_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            stream: StreamId(1),
+            work_dir: work_dir.into(),
+            store: None,
+            store_options: StoreOptions::default(),
+            checkpoint_interval: Duration::from_secs(1),
+            checkpoint_timeout: Duration::from_secs(60),
+            tolerable_failures: 3,
+            retention: Retention::default(),
+            max_parallelism: 128,
+            state: StateConfig::default(),
+            lease_ttl: Duration::from_secs(60),
+            metrics_listen: None,
+            batch_records: 256,
+            channel_batches: 4,
+            allow_duplicates: false,
+        }
+    }
+
+    /// The store URI this job checkpoints to.
+    #[must_use]
+    pub fn store_uri(&self) -> String {
+        self.store
+            .clone()
+            .unwrap_or_else(|| format!("file://{}", self.work_dir.join("store").display()))
+    }
+}
+
+/// Asks a running job to stop: it takes one more checkpoint, publishes it and returns.
+/// [`StopHandle::stop_with_savepoint`] makes that last one a savepoint (Flink's
+/// stop-with-savepoint): kept by retention until deleted by hand, and restorable
+/// with other parallelisms like any checkpoint. Clone it into a signal handler.
+#[derive(Clone, Debug, Default)]
+pub struct StopHandle(Arc<StopFlags>);
+
+#[derive(Debug, Default)]
+struct StopFlags {
+    stop: AtomicBool,
+    savepoint: AtomicBool,
+}
+
+impl StopHandle {
+    /// A handle nobody has pulled yet.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests the stop (idempotent).
+    pub fn stop(&self) {
+        self.0.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Requests the stop after a savepoint (idempotent; wins over a plain stop not
+    /// yet acted on).
+    pub fn stop_with_savepoint(&self) {
+        self.0.savepoint.store(true, Ordering::SeqCst);
+        self.stop();
+    }
+
+    /// Whether a stop was requested.
+    #[must_use]
+    pub fn requested(&self) -> bool {
+        self.0.stop.load(Ordering::SeqCst)
+    }
+
+    /// Whether the stop asks for a savepoint.
+    #[must_use]
+    pub fn savepoint_requested(&self) -> bool {
+        self.0.savepoint.load(Ordering::SeqCst)
+    }
+}
+
+/// What [`RunOptions::on_start`] calls.
+pub type StartCallback = Box<dyn FnOnce(&JobReport) + Send>;
+
+/// What [`RunOptions::on_checkpoint`] calls.
+pub type CheckpointCallback = Box<dyn FnMut(&CheckpointStats) + Send>;
+
+/// How one run is driven from outside.
+#[derive(Default)]
+pub struct RunOptions {
+    /// Crash the whole job at this moment (fault injection): threads stop where they
+    /// are, nothing is flushed or released, and `EngineError::Crashed` is returned.
+    pub crash_after: Option<Duration>,
+    /// Stops the job after a final checkpoint.
+    pub stop: StopHandle,
+    /// Called on the coordinator's thread for each completed checkpoint.
+    pub on_checkpoint: Option<CheckpointCallback>,
+    /// Called once the metrics endpoint listens, with its address.
+    pub on_metrics: Option<Box<dyn FnOnce(SocketAddr) + Send>>,
+    /// Called once the restore point is chosen (before any task runs), with the
+    /// report so far: what the run restores from and what it fell back past.
+    pub on_start: Option<StartCallback>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("crash_after", &self.crash_after)
+            .field("stop", &self.stop)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Statistics of one completed checkpoint, kept in the store next to it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// The checkpoint.
+    pub checkpoint: u64,
+    /// `checkpoint` or `savepoint`.
+    pub kind: String,
+    /// Trigger to commit, milliseconds.
+    pub duration_millis: u64,
+    /// Longest alignment of any task, microseconds.
+    pub max_alignment_micros: u64,
+    /// Longest synchronous snapshot (the task's stall), microseconds.
+    pub max_sync_micros: u64,
+    /// Full state size.
+    pub state_bytes: u64,
+    /// Bytes uploaded for this checkpoint.
+    pub uploaded_bytes: u64,
+}
+
+impl From<&CompletedCheckpoint> for CheckpointStats {
+    fn from(done: &CompletedCheckpoint) -> Self {
+        Self {
+            checkpoint: done.checkpoint.get(),
+            kind: done.kind.to_string(),
+            duration_millis: u64::try_from(done.duration.as_millis()).unwrap_or(u64::MAX),
+            max_alignment_micros: done.max_alignment_micros,
+            max_sync_micros: done.max_sync_micros,
+            state_bytes: done.state_bytes,
+            uploaded_bytes: done.uploaded_bytes,
+        }
+    }
+}
+
+/// A committed checkpoint recovery skipped because it did not verify.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FallBack {
+    /// The checkpoint.
+    pub checkpoint: CheckpointId,
+    /// What was wrong with it (naming the file).
+    pub problem: String,
+}
+
+/// What a finished run did.
+#[derive(Clone, Debug, Default)]
+pub struct JobReport {
+    /// The checkpoint the run restored from, if any.
+    pub restored_from: Option<CheckpointId>,
+    /// Newer committed checkpoints that failed verification and were skipped, newest
+    /// first.
+    pub fell_back_from: Vec<FallBack>,
+    /// Checkpoints completed during the run.
+    pub checkpoints: Vec<CheckpointStats>,
+    /// The sinks had published output after the restored checkpoint (a fallback past
+    /// a damaged one): the run replayed exactly up to its end and dropped that
+    /// output instead of publishing it again.
+    pub replayed: Option<Replayed>,
+}
+
+/// An exact replay up to the end of output published after the restore point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replayed {
+    /// The newest checkpoint whose output was published.
+    pub through: CheckpointId,
+    /// The published records the replay reproduced and dropped.
+    pub records: u64,
+}
