@@ -25,7 +25,7 @@ mod util;
 
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use crate::util::{cargo, workspace_root};
 
@@ -43,7 +43,8 @@ fn main() -> ExitCode {
 
 fn run(args: Vec<String>) -> Result<()> {
     let root = workspace_root()?;
-    std::env::set_current_dir(&root)?;
+    std::env::set_current_dir(&root)
+        .with_context(|| format!("cannot enter the workspace at {}", root.display()))?;
     let (task, rest) = args
         .split_first()
         .map_or(("", &[][..]), |(t, r)| (t.as_str(), r));

@@ -5,9 +5,13 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
-/// The workspace root: the parent of this package's directory.
+/// The workspace root: the parent of this package's directory. `cargo run` tells us
+/// where that is; the path compiled in is only a fallback, as cargo reuses one
+/// build of xtask for every checkout that shares a target directory (a stale
+/// path would send every task to another checkout, or to one since deleted).
 pub(crate) fn workspace_root() -> Result<PathBuf> {
-    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
     manifest_dir
         .parent()
         .map(PathBuf::from)
