@@ -6,9 +6,11 @@ mod rng;
 pub(crate) use rng::Rng;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use stillpoint::{EngineError, JobConfig, checkpoint_history, run_word_count};
+use stillpoint::{EngineError, JobConfig, RunOptions, checkpoint_history, run};
 use stillpoint_connectors::{GeneratedWords, WordCount, WordInput, read_committed};
 
 /// What an exactly-once word count publishes, whatever happened during the run: for a
@@ -92,6 +94,7 @@ pub(crate) fn config(dir: &std::path::Path) -> JobConfig {
 #[derive(Debug, Default)]
 pub(crate) struct CrashLoop {
     pub(crate) crashes: u32,
+    /// Runs (crashed ones included) that started from a restored checkpoint.
     pub(crate) restored: u32,
     pub(crate) checkpoints: usize,
     pub(crate) durations_millis: Vec<u64>,
@@ -113,18 +116,27 @@ pub(crate) fn crash_loop(
     let mut rng = Rng(seed);
     let mut seen = CrashLoop::default();
     let window_micros = u64::try_from(window.as_micros()).unwrap();
+    let restored = Arc::new(AtomicU32::new(0));
     loop {
         let crash =
             (seen.crashes < crashes).then(|| Duration::from_micros(rng.below(window_micros)));
-        match run_word_count(config, job, crash) {
+        let counter = Arc::clone(&restored);
+        let options = RunOptions {
+            crash_after: crash,
+            on_start: Some(Box::new(move |report| {
+                if report.restored_from.is_some() {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+            })),
+            ..RunOptions::default()
+        };
+        match run(config, job, options) {
             Err(EngineError::Crashed(_)) => seen.crashes += 1,
-            Ok(report) => {
-                seen.restored += u32::from(report.restored_from.is_some());
-                break;
-            }
+            Ok(_) => break,
             Err(error) => panic!("run after {} crashes failed: {error}", seen.crashes),
         }
     }
+    seen.restored = restored.load(Ordering::Relaxed);
     // Every checkpoint committed across the runs, crashed ones included.
     for stats in checkpoint_history(config).unwrap() {
         seen.checkpoints += 1;
