@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use stillpoint::{
     CheckpointRun, CoordinatorInput, Engine, EngineError, FallBack, JobConfig, JobReport,
-    KeptLease, Metrics, MetricsServer, RestoreChoice, RunOptions, Signals, ToDataflow,
+    KeptLease, Metrics, RestoreChoice, RunOptions, Signals, ToDataflow,
 };
 use stillpoint_task::{ClusterAction, ClusterCoordinator, NodeReport, Order, RunEnd, Time};
 use stillpoint_wire::{
@@ -82,13 +82,8 @@ pub fn run_coordinator(
     }
     // The coordinator reports checkpoints; each node its own tasks' records.
     let metrics = Arc::new(Metrics::new(&[]));
-    let served = config
-        .metrics_listen
-        .map(|listen| MetricsServer::start(listen, Arc::clone(&metrics)))
-        .transpose()?;
-    if let (Some(served), Some(tell)) = (&served, options.on_metrics.take()) {
-        tell(served.address);
-    }
+    let _served =
+        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let generation = Arc::new(AtomicU64::new(0));
     let (inputs_tx, inputs_rx) = crossbeam_channel::unbounded::<Input>();
     let listener = TcpListener::bind(cluster.coordinator)

@@ -203,7 +203,7 @@ pub(crate) fn edge_receiver(
             return;
         }
         match (&message, &data) {
-            (Message::Data(_) | Message::Barrier(_), Some(data)) => {
+            (Message::Data(_) | Message::Barrier(_) | Message::EndOfInput(_), Some(data)) => {
                 if !send_bounded(data, message, &signals) {
                     return;
                 }

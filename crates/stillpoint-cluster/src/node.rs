@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use stillpoint::{
     Bounds, CoordinatorInput, EdgeData, Engine, EngineError, JobConfig, LocalRestore, Metrics,
-    MetricsServer, RemoteEdge, TaskStart, Tasks, ToDataflow, Transport, WorkDir,
+    RemoteEdge, TaskStart, Tasks, ToDataflow, Transport, WorkDir,
 };
 use stillpoint_task::{ClusterNode, NodeAction, NodeReport, Order, Time};
 use stillpoint_wire::{
@@ -117,10 +117,11 @@ pub fn run_node(
         machine: ClusterNode::new(node),
         epoch: Instant::now(),
     };
-    let _metrics = cluster
-        .node_metrics_address(node)?
-        .map(|listen| MetricsServer::start(listen, Arc::clone(&node_state.metrics)))
-        .transpose()?;
+    let _metrics = engine.serve_metrics(
+        cluster.node_metrics_address(node)?,
+        &node_state.metrics,
+        None,
+    )?;
     let outcome = node_state.serve();
     halt.store(true, Ordering::SeqCst);
     let _joined = acceptor.join();

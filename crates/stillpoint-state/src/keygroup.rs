@@ -75,6 +75,22 @@ impl KeyGroups {
         )
     }
 
+    /// Routing over `parallelism` tasks that own contiguous ranges as
+    /// [`KeyGroups::range_of`] assigns them: which task a key's records go to.
+    pub fn router(&self, parallelism: u32) -> Result<KeyGroupRouter, StateError> {
+        let mut owner = vec![0; self.max_parallelism as usize];
+        for index in 0..parallelism {
+            let range = self.range_of(parallelism, index)?;
+            if let Some(slots) = owner.get_mut(range.start as usize..range.end as usize) {
+                slots.fill(index);
+            }
+        }
+        Ok(KeyGroupRouter {
+            groups: *self,
+            owner,
+        })
+    }
+
     pub(crate) fn check(&self, range: KeyGroupRange) -> Result<(), StateError> {
         if range.start <= range.end && range.end <= self.max_parallelism {
             Ok(())
@@ -92,9 +108,43 @@ pub(crate) fn prefix(group: u32) -> [u8; 2] {
     u16::try_from(group).unwrap_or(u16::MAX).to_be_bytes()
 }
 
+/// Which of a stage's tasks each key goes to ([`KeyGroups::router`]): one table
+/// lookup per record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyGroupRouter {
+    groups: KeyGroups,
+    /// The owning task's index, per key group.
+    owner: Vec<u32>,
+}
+
+impl KeyGroupRouter {
+    /// The index (within its stage) of the task that owns `key`'s key group.
+    #[must_use]
+    pub fn route(&self, key: &[u8]) -> usize {
+        self.owner
+            .get(self.groups.of(key) as usize)
+            .map_or(0, |index| *index as usize)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_router_sends_each_key_to_the_task_owning_its_key_group() {
+        let groups = KeyGroups::new(128).unwrap();
+        for parallelism in [1, 3, 5, 128] {
+            let router = groups.router(parallelism).unwrap();
+            for word in 0..2_000_u32 {
+                let key = format!("word-{word}");
+                let index = router.route(key.as_bytes());
+                let owned = groups.range_of(parallelism, index as u32).unwrap();
+                assert!(owned.contains(groups.of(key.as_bytes())), "{key} → {index}");
+            }
+        }
+        assert!(groups.router(0).is_ok_and(|r| r.route(b"x") == 0));
+    }
 
     #[test]
     fn ranges_tile_the_key_groups_for_every_parallelism() {

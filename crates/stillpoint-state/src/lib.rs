@@ -49,7 +49,7 @@ mod work_dir;
 pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
 pub use config::{Compression, StateConfig};
 pub use error::StateError;
-pub use keygroup::{KeyGroups, MAX_KEY_GROUPS};
+pub use keygroup::{KeyGroupRouter, KeyGroups, MAX_KEY_GROUPS};
 pub use rocks::{
     FieldValues, KeyedState, RocksStateBackend, ScanVisitor, StateBatch, StateOwner, StateWrite,
 };

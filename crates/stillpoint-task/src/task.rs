@@ -606,9 +606,10 @@ impl TaskMachine {
                 self.on_abort(m);
                 Ok(())
             }
-            Message::CheckpointSourceRsp(_) | Message::CheckpointReport(_) | Message::Data(_) => {
-                Err(TaskError::UnexpectedKind(kind))
-            }
+            Message::CheckpointSourceRsp(_)
+            | Message::CheckpointReport(_)
+            | Message::Data(_)
+            | Message::EndOfInput(_) => Err(TaskError::UnexpectedKind(kind)),
         }
     }
 

@@ -66,6 +66,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (
             "task-1",
             "task-2",
+            EndOfInput {
+                stream,
+                upstream: source,
+                downstream: aggregate,
+            }
+            .into(),
+        ),
+        (
+            "task-1",
+            "task-2",
             Barrier {
                 stream,
                 upstream: source,

@@ -5,8 +5,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::message::{
     AbortReason, Barrier, BarrierAck, CheckpointAbort, CheckpointComplete, CheckpointReady,
-    CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, Message,
-    MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
+    CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, EndOfInput,
+    Message, MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
     SnapshotReport,
 };
 use crate::{
@@ -408,6 +408,11 @@ fn write_payload<S: FieldSink>(message: &Message, sink: &mut S) -> Result<(), En
             w.task(m.downstream);
             w.u32(m.records);
             w.sink.put(&m.payload);
+        }
+        Message::EndOfInput(m) => {
+            w.stream(m.stream);
+            w.task(m.upstream);
+            w.task(m.downstream);
         }
     }
     Ok(())
@@ -918,6 +923,12 @@ fn decode_payload(kind: MessageKind, payload: Bytes) -> Result<Message, FrameErr
             }
             .into()
         }
+        MessageKind::EndOfInput => EndOfInput {
+            stream: r.stream()?,
+            upstream: r.task("upstream")?,
+            downstream: r.task("downstream")?,
+        }
+        .into(),
     };
     r.finish(message)
 }

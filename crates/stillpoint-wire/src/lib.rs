@@ -75,9 +75,9 @@ pub use manifest::{
 };
 pub use message::{
     AbortReason, Barrier, BarrierAck, CheckpointAbort, CheckpointComplete, CheckpointReady,
-    CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, Message,
-    MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp, Route,
-    SnapshotReport,
+    CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, EndOfInput,
+    Message, MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
+    Route, SnapshotReport,
 };
 pub use offset::{OffsetTooLong, SourceOffset};
 pub use path::{PathProblem, RelativePath};

@@ -41,11 +41,13 @@ pub enum MessageKind {
     CheckpointAbort = 11,
     /// [`Data`].
     Data = 12,
+    /// [`EndOfInput`].
+    EndOfInput = 13,
 }
 
 impl MessageKind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 13] = [
         Self::CheckpointSource,
         Self::CheckpointSourceRsp,
         Self::Barrier,
@@ -58,6 +60,7 @@ impl MessageKind {
         Self::CheckpointComplete,
         Self::CheckpointAbort,
         Self::Data,
+        Self::EndOfInput,
     ];
 
     /// The kind with wire code `code`, if there is one.
@@ -88,6 +91,7 @@ impl MessageKind {
             Self::CheckpointComplete => "CheckpointComplete",
             Self::CheckpointAbort => "CheckpointAbort",
             Self::Data => "Data",
+            Self::EndOfInput => "EndOfInput",
         }
     }
 }
@@ -350,6 +354,19 @@ pub struct Data {
     pub payload: Bytes,
 }
 
+/// Upstream → downstream, in-band after its last `Data`: the upstream's input has
+/// ended and it sends no more records (barriers may follow). A task whose upstreams
+/// have all ended has ended too, and says so downstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndOfInput {
+    /// The stream.
+    pub stream: StreamId,
+    /// The task whose input ended.
+    pub upstream: TaskId,
+    /// The receiving task.
+    pub downstream: TaskId,
+}
+
 /// Any protocol message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[allow(missing_docs)] // each variant is documented by its struct
@@ -366,6 +383,7 @@ pub enum Message {
     CheckpointComplete(CheckpointComplete),
     CheckpointAbort(CheckpointAbort),
     Data(Data),
+    EndOfInput(EndOfInput),
 }
 
 impl Message {
@@ -385,6 +403,7 @@ impl Message {
             Self::CheckpointComplete(_) => MessageKind::CheckpointComplete,
             Self::CheckpointAbort(_) => MessageKind::CheckpointAbort,
             Self::Data(_) => MessageKind::Data,
+            Self::EndOfInput(_) => MessageKind::EndOfInput,
         }
     }
 
@@ -404,6 +423,7 @@ impl Message {
             Self::CheckpointComplete(m) => m.stream,
             Self::CheckpointAbort(m) => m.stream,
             Self::Data(m) => m.stream,
+            Self::EndOfInput(m) => m.stream,
         }
     }
 
@@ -418,6 +438,7 @@ impl Message {
             Self::CheckpointSourceRsp(m) => return Route::ToCoordinator(m.task),
             Self::CheckpointReport(m) => return Route::ToCoordinator(m.task),
             Self::Data(m) => (m.upstream, m.downstream, true),
+            Self::EndOfInput(m) => (m.upstream, m.downstream, true),
             Self::Barrier(m) => (m.upstream, m.downstream, true),
             Self::CheckpointReadyAck(m) => (m.upstream, m.downstream, true),
             Self::RetrieveBarrierRsp(m) => (m.upstream, m.downstream, true),
@@ -447,7 +468,8 @@ impl Message {
         }
     }
 
-    /// The checkpoint a control message is about; `None` for [`Data`].
+    /// The checkpoint a control message is about; `None` for [`Data`] and
+    /// [`EndOfInput`].
     #[must_use]
     pub const fn checkpoint(&self) -> Option<CheckpointId> {
         match self {
@@ -462,7 +484,7 @@ impl Message {
             Self::CheckpointReport(m) => Some(m.checkpoint),
             Self::CheckpointComplete(m) => Some(m.checkpoint),
             Self::CheckpointAbort(m) => Some(m.checkpoint),
-            Self::Data(_) => None,
+            Self::Data(_) | Self::EndOfInput(_) => None,
         }
     }
 }
@@ -509,6 +531,7 @@ into_message!(
     CheckpointComplete,
     CheckpointAbort,
     Data,
+    EndOfInput,
 );
 
 #[cfg(test)]
@@ -522,6 +545,6 @@ mod tests {
             assert_eq!(MessageKind::from_code(kind.code()), Some(kind));
         }
         assert_eq!(MessageKind::from_code(0), None);
-        assert_eq!(MessageKind::from_code(13), None);
+        assert_eq!(MessageKind::from_code(14), None);
     }
 }

@@ -13,7 +13,7 @@ use stillpoint_wire::{Message, NodeId, SnapshotManifest, TaskId};
 
 use crate::dataflow::{Bounds, StageKind};
 use crate::driver::{
-    ExportJob, ExportOutcome, Partitioner, ReplayRole, Role, TaskDriver, export_loop,
+    ExportJob, ExportOutcome, Partitioner, Progress, ReplayRole, Role, TaskDriver, export_loop,
 };
 use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Links};
@@ -120,9 +120,10 @@ impl Builder<'_> {
             None => (Vec::new(), Partitioner::Forward),
             Some((tasks, Partitioning::Forward, _)) => (tasks, Partitioner::Forward),
             Some((tasks, Partitioning::Broadcast, _)) => (tasks, Partitioner::Broadcast),
-            Some((tasks, Partitioning::Hash, parallelism)) => {
-                (tasks, Partitioner::by_key_group(self.groups, parallelism)?)
-            }
+            Some((tasks, Partitioning::Hash, parallelism)) => (
+                tasks,
+                Partitioner::KeyGroups(self.groups.router(parallelism)?),
+            ),
         };
         let upstreams: Vec<TaskId> = wiring.inputs.iter().map(|(u, _)| *u).collect();
         let state = CachedState::new(self.state(task)?);
@@ -167,27 +168,7 @@ impl Builder<'_> {
                 .spawn(move || export_loop(export_rx, exported_tx, store, handle, node))
                 .map_err(|e| EngineError::io("spawn", "export thread", &e))?
         };
-        let mut driver = TaskDriver::new(
-            self.config.stream,
-            task,
-            machine,
-            role,
-            state,
-            wiring.inputs,
-            wiring.control,
-            export_tx,
-            exported_rx,
-            wiring.links,
-            downstreams,
-            partitioner,
-            self.config
-                .work_dir
-                .join("snapshots")
-                .join(format!("task-{}", task.get())),
-            self.epoch,
-        );
-        driver.records = self.metrics.records_of(task);
-        driver.replay = match (self.replay, &stage.kind) {
+        let replay = match (self.replay, &stage.kind) {
             (Some(replay), StageKind::Source(_)) => ReplayRole::Source {
                 bound: replay.get(&task).cloned().ok_or_else(|| {
                     EngineError::Invalid(format!("{task} has no bound in the replay"))
@@ -198,7 +179,27 @@ impl Builder<'_> {
             (Some(_), StageKind::Sink(_)) => ReplayRole::Sink { dropped: 0 },
             _ => ReplayRole::None,
         };
-        driver.batch = self.config.batch_records.max(1);
+        let driver = TaskDriver {
+            stream: self.config.stream,
+            task,
+            machine,
+            role,
+            state,
+            inputs: wiring.inputs,
+            control: wiring.control,
+            exports: export_tx,
+            exported: exported_rx,
+            links: wiring.links,
+            downstreams,
+            partitioner,
+            snapshots: (self.config.work_dir.join("snapshots"))
+                .join(format!("task-{}", task.get())),
+            epoch: self.epoch,
+            batch: self.config.batch_records.max(1),
+            records: self.metrics.records_of(task),
+            replay,
+            progress: Progress::default(),
+        };
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))
             .spawn(move || {

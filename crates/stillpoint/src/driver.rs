@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
 use stillpoint_backup::Store;
-use stillpoint_state::{CachedState, KeyGroups, SnapshotJob};
+use stillpoint_state::{CachedState, KeyGroupRouter, SnapshotJob};
 use stillpoint_task::{TaskAction, TaskMachine, Time};
 use stillpoint_wire::{
-    CheckpointId, Data, Message, NodeId, SnapshotReport, SourceOffset, StreamId, TaskId,
-    decode_batch, encode_batch,
+    CheckpointId, Data, EndOfInput, Message, NodeId, SnapshotReport, SourceOffset, StreamId,
+    TaskId, decode_batch, encode_batch,
 };
 
 use crate::transport::{CoordinatorInput, Links};
@@ -32,38 +32,8 @@ pub(crate) enum Partitioner {
     Forward,
     /// Every record to every downstream.
     Broadcast,
-    /// By key group: `owner[group]` indexes the downstream list.
-    KeyGroups {
-        groups: KeyGroups,
-        owner: Vec<usize>,
-    },
-}
-
-impl Partitioner {
-    /// Hash partitioning over `parallelism` downstreams owning contiguous key-group
-    /// ranges (as `KeyGroups::range_of` assigns them).
-    pub(crate) fn by_key_group(groups: KeyGroups, parallelism: u32) -> Result<Self, EngineError> {
-        let mut owner = vec![0usize; groups.max_parallelism() as usize];
-        for index in 0..parallelism {
-            let range = groups.range_of(parallelism, index)?;
-            for group in range.start..range.end {
-                if let Some(slot) = owner.get_mut(group as usize) {
-                    *slot = index as usize;
-                }
-            }
-        }
-        Ok(Self::KeyGroups { groups, owner })
-    }
-
-    fn target(&self, record: &Record) -> usize {
-        match self {
-            Self::Forward | Self::Broadcast => 0,
-            Self::KeyGroups { groups, owner } => owner
-                .get(groups.of(&record.key) as usize)
-                .copied()
-                .unwrap_or(0),
-        }
-    }
+    /// By the key group of the record's key, over downstreams in stage order.
+    KeyGroups(KeyGroupRouter),
 }
 
 /// A synchronous snapshot handed to the export thread.
@@ -178,10 +148,20 @@ pub(crate) struct TaskDriver {
     pub(crate) records: prometheus_client::metrics::counter::Counter,
     /// A replay up to published output ([`Replay`]): what this task does until it.
     pub(crate) replay: ReplayRole,
+    pub(crate) progress: Progress,
+}
+
+/// What a task's driver keeps track of as it goes.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    /// Inputs blocked while the task aligns on a barrier.
     blocked: BTreeSet<TaskId>,
+    /// A source's barriers waiting to be injected behind the records it read.
     queued_barriers: VecDeque<CheckpointId>,
     aligning_since: Option<Instant>,
     finished_reported: bool,
+    /// The upstreams whose input has ended ([`Message::EndOfInput`]).
+    ended: BTreeSet<TaskId>,
 }
 
 /// A task's part in a replay up to the end of published output
@@ -204,48 +184,6 @@ pub(crate) enum ReplayRole {
 }
 
 impl TaskDriver {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        stream: StreamId,
-        task: TaskId,
-        machine: TaskMachine,
-        role: Role,
-        state: CachedState,
-        inputs: Vec<(TaskId, Receiver<Message>)>,
-        control: Receiver<Message>,
-        exports: Sender<ExportJob>,
-        exported: Receiver<ExportOutcome>,
-        links: Links,
-        downstreams: Vec<TaskId>,
-        partitioner: Partitioner,
-        snapshots: PathBuf,
-        epoch: Instant,
-    ) -> Self {
-        Self {
-            stream,
-            task,
-            machine,
-            role,
-            state,
-            inputs,
-            control,
-            exports,
-            exported,
-            links,
-            downstreams,
-            partitioner,
-            snapshots,
-            epoch,
-            batch: 256,
-            records: prometheus_client::metrics::counter::Counter::default(),
-            replay: ReplayRole::None,
-            blocked: BTreeSet::new(),
-            queued_barriers: VecDeque::new(),
-            aligning_since: None,
-            finished_reported: false,
-        }
-    }
-
     fn now(&self) -> Time {
         Time::from_duration(self.epoch.elapsed())
     }
@@ -254,6 +192,9 @@ impl TaskDriver {
     pub(crate) fn run(mut self) -> Result<(), EngineError> {
         let span = tracing::info_span!("task", task = %self.task);
         let _entered = span.enter();
+        if let Role::Operator(operator) = &mut self.role {
+            operator.open(&mut self.state)?;
+        }
         // A restored task first commits what its checkpoint covers.
         self.apply_actions()?;
         loop {
@@ -268,6 +209,9 @@ impl TaskDriver {
                 // the job: carry it out (the sinks publish) before leaving.
                 self.drain_control()?;
                 self.machine.handle_stop(self.now());
+                if let Role::Operator(operator) = &mut self.role {
+                    operator.close()?;
+                }
                 return Ok(());
             }
             self.drain_control()?;
@@ -363,7 +307,7 @@ impl TaskDriver {
         // Every record read so far has been processed and sent: a barrier injected now
         // is behind all accepted input (a replaying source's, exactly at its bound).
         if bound.is_none()
-            && let Some(checkpoint) = self.queued_barriers.pop_front()
+            && let Some(checkpoint) = self.progress.queued_barriers.pop_front()
         {
             if let ReplayRole::Source { at, .. } = &mut self.replay {
                 at.get_or_insert(checkpoint);
@@ -390,9 +334,10 @@ impl TaskDriver {
                 self.task
             ))),
             SourcePoll::Finished => {
-                if !self.finished_reported {
-                    self.finished_reported = true;
+                if !self.progress.finished_reported {
+                    self.progress.finished_reported = true;
                     let offset = source.offset();
+                    self.end_input()?;
                     let _closed = self
                         .links
                         .coordinator
@@ -435,7 +380,7 @@ impl TaskDriver {
             .inputs
             .iter()
             .enumerate()
-            .filter(|(_, (upstream, _))| !self.blocked.contains(upstream))
+            .filter(|(_, (upstream, _))| !self.progress.blocked.contains(upstream))
             .map(|(i, _)| i)
             .collect();
         let got = {
@@ -478,6 +423,7 @@ impl TaskDriver {
         };
         match message {
             Message::Data(data) => self.process(&data),
+            Message::EndOfInput(end) => self.on_end_of_input(end.upstream),
             Message::Barrier(_) => {
                 if let Err(error) = self.machine.handle_message(self.now(), &message) {
                     tracing::warn!(%error, "barrier refused");
@@ -513,6 +459,37 @@ impl TaskDriver {
         }
     }
 
+    /// Upstream `upstream`'s input ended; once every upstream's has, the operator's
+    /// last output goes out and this task's input has ended too.
+    fn on_end_of_input(&mut self, upstream: TaskId) -> Result<(), EngineError> {
+        let known = self.inputs.iter().any(|(up, _)| *up == upstream);
+        if !known
+            || !self.progress.ended.insert(upstream)
+            || self.progress.ended.len() < self.inputs.len()
+        {
+            return Ok(());
+        }
+        tracing::debug!(task = %self.task, "every input has ended");
+        if let Role::Operator(operator) = &mut self.role {
+            let mut out = Vec::new();
+            operator.on_end_of_input(&mut self.state, &mut out)?;
+            self.emit(out)?;
+        }
+        self.end_input()
+    }
+
+    /// Tells every downstream that this task's input has ended (after its last record).
+    fn end_input(&mut self) -> Result<(), EngineError> {
+        for downstream in self.downstreams.clone() {
+            self.links.route(Message::EndOfInput(EndOfInput {
+                stream: self.stream,
+                upstream: self.task,
+                downstream,
+            }))?;
+        }
+        Ok(())
+    }
+
     /// Partitions records over the downstreams and sends them.
     fn emit(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
         if records.is_empty() || self.downstreams.is_empty() {
@@ -524,7 +501,10 @@ impl TaskDriver {
         } else {
             let mut per = vec![Vec::new(); self.downstreams.len()];
             for record in records {
-                let target = self.partitioner.target(&record);
+                let target = match &self.partitioner {
+                    Partitioner::KeyGroups(router) => router.route(&record.key),
+                    Partitioner::Forward | Partitioner::Broadcast => 0,
+                };
                 if let Some(bucket) = per.get_mut(target) {
                     bucket.push(record);
                 }
@@ -551,17 +531,24 @@ impl TaskDriver {
         while let Some(action) = self.machine.poll_action() {
             match action {
                 TaskAction::QueueBarrier { checkpoint } => {
-                    self.queued_barriers.push_back(checkpoint)
+                    self.progress.queued_barriers.push_back(checkpoint)
                 }
-                // Operators here emit as they process: nothing is buffered.
-                TaskAction::FlushOutput { .. } => {}
+                TaskAction::FlushOutput { checkpoint } => {
+                    if let Role::Operator(operator) = &mut self.role {
+                        let mut out = Vec::new();
+                        operator.on_barrier(checkpoint, &mut self.state, &mut out)?;
+                        self.emit(out)?;
+                    }
+                }
                 TaskAction::Snapshot { checkpoint, .. } => self.snapshot(checkpoint)?,
                 TaskAction::BlockInput(upstream) => {
-                    self.aligning_since.get_or_insert_with(Instant::now);
-                    self.blocked.insert(upstream);
+                    self.progress
+                        .aligning_since
+                        .get_or_insert_with(Instant::now);
+                    self.progress.blocked.insert(upstream);
                 }
                 TaskAction::OpenInput(upstream) => {
-                    self.blocked.remove(&upstream);
+                    self.progress.blocked.remove(&upstream);
                 }
                 TaskAction::Send(message) => self.links.route(message)?,
                 TaskAction::Commit { checkpoint, .. } => {
@@ -597,6 +584,7 @@ impl TaskDriver {
     fn snapshot(&mut self, checkpoint: CheckpointId) -> Result<(), EngineError> {
         let started = Instant::now();
         let alignment_micros = self
+            .progress
             .aligning_since
             .take()
             .map_or(0, |since| micros(since.elapsed()));

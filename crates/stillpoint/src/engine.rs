@@ -4,6 +4,7 @@
 //! and the processes of a cluster (`stillpoint-cluster`) are both built from these.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use stillpoint_wire::{CheckpointId, Message, NodeId, SourcePosition, TaskId};
 use crate::build::{Builder, Spawned, Wiring, join_all};
 use crate::dataflow::{Bounds, RestorePlan};
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, MetricsServer};
 use crate::transport::{ControlMap, CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, Replayed, ToDataflow};
 
@@ -139,6 +140,24 @@ impl Engine {
             .keep(self.runtime.handle());
         self.store = self.store.fenced(lease.fence());
         Ok(lease)
+    }
+
+    /// Serves `metrics` at `listen`, if set, on this engine's runtime (see
+    /// [`MetricsServer`]), and tells `tell` the address it took.
+    pub fn serve_metrics(
+        &self,
+        listen: Option<SocketAddr>,
+        metrics: &Arc<Metrics>,
+        tell: Option<Box<dyn FnOnce(SocketAddr) + Send>>,
+    ) -> Result<Option<MetricsServer>, EngineError> {
+        let Some(listen) = listen else {
+            return Ok(None);
+        };
+        let served = MetricsServer::start(listen, Arc::clone(metrics), self.runtime.handle())?;
+        if let Some(tell) = tell {
+            tell(served.address);
+        }
+        Ok(Some(served))
     }
 
     /// Releases the lease (a successor takes over at once).

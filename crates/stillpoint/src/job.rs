@@ -9,7 +9,7 @@ use std::time::Duration;
 use stillpoint_backup::{LocalRestore, Store};
 use stillpoint_wire::NodeId;
 
-use crate::metrics::{Metrics, MetricsServer};
+use crate::metrics::Metrics;
 use crate::{
     CheckpointRun, CheckpointStats, Engine, EngineError, FallBack, InProcess, JobConfig, JobReport,
     RestoreChoice, RunOptions, TaskStart, ToDataflow,
@@ -62,16 +62,8 @@ pub fn run(
     if let Some(id) = report.restored_from {
         metrics.restored(id.get());
     }
-    let _served = match config.metrics_listen {
-        Some(listen) => {
-            let served = MetricsServer::start(listen, Arc::clone(&metrics))?;
-            if let Some(tell) = options.on_metrics.take() {
-                tell(served.address);
-            }
-            Some(served)
-        }
-        None => None,
-    };
+    let _served =
+        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let (transport, inputs) = InProcess::new();
     let start = TaskStart {
         work_dir: &work_dir,

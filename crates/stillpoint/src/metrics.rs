@@ -1,13 +1,20 @@
-//! Job metrics (prometheus-client) and their endpoint: a small HTTP/1.1 responder on a
-//! local port serving `GET /metrics` (anything else is 404), on its own thread,
-//! until the job ends.
+//! Job metrics (prometheus-client) and their endpoint: `GET /metrics` served by
+//! hyper on the engine's runtime until the job ends.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -17,7 +24,6 @@ use prometheus_client::registry::Registry;
 
 use stillpoint_wire::{NodeId, TaskId};
 
-use crate::transport::Signals;
 use crate::{CheckpointStats, EngineError};
 
 /// Counters and gauges of one running job, updated by its threads; exposed in the
@@ -182,109 +188,153 @@ impl Metrics {
     }
 }
 
-/// A Prometheus endpoint serving [`Metrics`] at `GET /metrics` until dropped.
+/// A Prometheus endpoint serving [`Metrics`] at `GET /metrics` (anything else is
+/// 404) until dropped: hyper's HTTP/1.1 server on the engine's runtime, at most
+/// [`MetricsServer::MAX_CONNECTIONS`] connections at once, each given
+/// [`MetricsServer::CONNECTION_TIMEOUT`] to send its request and take the answer.
 #[derive(Debug)]
 pub struct MetricsServer {
-    /// The bound address (port 0 picks a free one).
+    /// Where it listens (the port chosen when asked for port 0).
     pub address: SocketAddr,
-    signals: Arc<Signals>,
-    handle: Option<std::thread::JoinHandle<()>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stopped: std::sync::mpsc::Receiver<()>,
 }
 
 impl MetricsServer {
-    /// Binds `listen` and serves `metrics` there until the server is dropped.
-    pub fn start(listen: SocketAddr, metrics: Arc<Metrics>) -> Result<Self, EngineError> {
-        let listener = TcpListener::bind(listen)
-            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
-        let address = listener
-            .local_addr()
-            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| EngineError::io("listen on", listen.to_string(), &e))?;
+    /// Connections served at once; more wait to be accepted.
+    pub const MAX_CONNECTIONS: usize = 16;
+    /// How long one connection may take, request and answer.
+    pub const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Listens on `listen` and serves `metrics` on `runtime`. A taken address is an
+    /// error naming it.
+    pub fn start(
+        listen: SocketAddr,
+        metrics: Arc<Metrics>,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Self, EngineError> {
+        let failed = |e: std::io::Error| EngineError::io("listen on", listen.to_string(), &e);
+        let listener = std::net::TcpListener::bind(listen).map_err(failed)?;
+        listener.set_nonblocking(true).map_err(failed)?;
+        let address = listener.local_addr().map_err(failed)?;
+        let listener = {
+            let _entered = runtime.enter();
+            tokio::net::TcpListener::from_std(listener).map_err(failed)?
+        };
         tracing::info!(%address, "metrics at http://{address}/metrics");
-        let signals = Arc::new(Signals::default());
-        let halt = Arc::clone(&signals);
-        let handle = std::thread::Builder::new()
-            .name("metrics".to_owned())
-            .spawn(move || {
-                while !halt.halted() {
-                    match listener.accept() {
-                        Ok((stream, _)) => {
-                            if let Err(error) = answer(stream, &metrics) {
-                                tracing::debug!(%error, "metrics request failed");
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "metrics endpoint stopped");
-                            return;
-                        }
-                    }
-                }
-            })
-            .map_err(|e| EngineError::io("spawn", "metrics thread", &e))?;
+        let (stop, stop_rx) = tokio::sync::oneshot::channel();
+        let (done, stopped) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            serve(listener, metrics, stop_rx).await;
+            drop(done);
+        });
         Ok(Self {
             address,
-            signals,
-            handle: Some(handle),
+            stop: Some(stop),
+            stopped,
         })
     }
 }
 
 impl Drop for MetricsServer {
+    /// Stops accepting and closes the port before returning.
     fn drop(&mut self) {
-        self.signals.stop();
-        if let Some(handle) = self.handle.take() {
-            let _joined = handle.join();
+        if let Some(stop) = self.stop.take() {
+            let _gone = stop.send(());
         }
+        let _closed = self.stopped.recv_timeout(Duration::from_secs(5));
     }
 }
 
-/// Reads one request (bounded: 8 KiB, 2 s) and answers it.
-fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-    let mut request = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-        let read = stream.read(&mut chunk)?;
-        if read == 0 {
-            break;
-        }
-        request.extend_from_slice(chunk.get(..read).unwrap_or_default());
+async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MetricsServer::MAX_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut stop => return,
+            accepted = accept(&listener, &permits) => accepted,
+        };
+        let (stream, permit) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of descriptors, say: try again shortly rather than spin.
+                tracing::warn!(%error, "metrics endpoint cannot accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let metrics = Arc::clone(&metrics);
+        tokio::spawn(async move {
+            let service = service_fn(move |request: Request<Incoming>| {
+                let answer = respond(&request, &metrics);
+                async move { Ok::<_, std::convert::Infallible>(answer) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(MetricsServer::CONNECTION_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(MetricsServer::CONNECTION_TIMEOUT, connection).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::debug!(%error, "metrics request failed"),
+                Err(_) => tracing::debug!("metrics request timed out"),
+            }
+            drop(permit);
+        });
     }
-    let line = request.split(|b| *b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, content_type, body) = if method == "GET" && path == "/metrics" {
-        (
-            "200 OK",
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            metrics.render(),
-        )
-    } else {
-        (
-            "404 Not Found",
-            "text/plain",
-            "stillpoint serves GET /metrics\n".to_owned(),
-        )
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes())?;
-    stream.flush()
+}
+
+async fn accept(
+    listener: &tokio::net::TcpListener,
+    permits: &Arc<tokio::sync::Semaphore>,
+) -> std::io::Result<(tokio::net::TcpStream, tokio::sync::OwnedSemaphorePermit)> {
+    let permit = Arc::clone(permits)
+        .acquire_owned()
+        .await
+        .map_err(std::io::Error::other)?;
+    let (stream, _) = listener.accept().await?;
+    Ok((stream, permit))
+}
+
+fn respond(request: &Request<Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
+    let (status, content_type, body) =
+        if request.method() == Method::GET && request.uri().path() == "/metrics" {
+            (
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                metrics.render(),
+            )
+        } else {
+            (
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "stillpoint serves GET /metrics\n".to_owned(),
+            )
+        };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
 
     fn get(address: SocketAddr, path: &str) -> String {
         let mut stream = TcpStream::connect(address).unwrap();
@@ -307,8 +357,9 @@ mod tests {
             state_bytes: 1000,
             uploaded_bytes: 100,
         });
-        let server =
-            MetricsServer::start("127.0.0.1:0".parse().unwrap(), Arc::clone(&metrics)).unwrap();
+        let runtime = runtime();
+        let listen = "127.0.0.1:0".parse().unwrap();
+        let server = MetricsServer::start(listen, Arc::clone(&metrics), runtime.handle()).unwrap();
         let address = server.address;
         let response = get(address, "/metrics");
         assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
@@ -325,7 +376,11 @@ mod tests {
             assert!(response.contains(line), "missing {line}: {response}");
         }
         assert!(get(address, "/other").starts_with("HTTP/1.1 404"));
-        // Dropped with the job: the thread is joined and the port closed.
+        // A client that connects and says nothing holds no more than its own
+        // connection: the endpoint still answers.
+        let _silent = TcpStream::connect(address).unwrap();
+        assert!(get(address, "/metrics").starts_with("HTTP/1.1 200 OK"));
+        // Dropped with the job: the port is closed when the drop returns.
         drop(server);
         assert!(TcpStream::connect(address).is_err());
     }
@@ -351,7 +406,9 @@ mod tests {
     fn a_taken_port_is_an_error_naming_it() {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let address = taken.local_addr().unwrap();
-        let error = MetricsServer::start(address, Arc::new(Metrics::new(&[]))).unwrap_err();
+        let runtime = runtime();
+        let error = MetricsServer::start(address, Arc::new(Metrics::new(&[])), runtime.handle())
+            .unwrap_err();
         assert!(error.to_string().contains(&address.to_string()), "{error}");
     }
 }

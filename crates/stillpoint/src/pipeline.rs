@@ -55,7 +55,26 @@ pub trait Source: Send {
 /// key). State must be keyed by the record's key bytes: the key group of a state key
 /// is computed from those bytes, so a typed state (`ValueState<K, _>`, which keys by
 /// the postcard encoding of `K`) only fits when that encoding is the record key.
+///
+/// Besides [`Operator::process`] an operator has hooks, each a no-op by default, that
+/// the task calls on its own thread with the task's state:
+///
+/// - [`Operator::open`] once the state is restored, before the first record;
+/// - [`Operator::on_barrier`] at every checkpoint's barrier, before the barrier goes
+///   on: what it emits lands in that checkpoint. An operator that buffers output in
+///   memory (mini-batches, async lookups) flushes it here — memory is not in the
+///   checkpoint, so output still buffered at the barrier would be lost by a restore;
+/// - [`Operator::on_end_of_input`] once every upstream's input has ended (a bounded
+///   job): what it emits lands before the final checkpoint's barrier;
+/// - [`Operator::close`] when the task stops with the job (not on a crash or failure).
 pub trait Operator: Send {
+    /// Called once the task's state is restored (or opened empty), before any record
+    /// or hook.
+    fn open(&mut self, state: &mut CachedState) -> Result<(), EngineError> {
+        let _ = state;
+        Ok(())
+    }
+
     /// Processes one record, appending outputs to `out`.
     fn process(
         &mut self,
@@ -63,6 +82,39 @@ pub trait Operator: Send {
         state: &mut CachedState,
         out: &mut Vec<Record>,
     ) -> Result<(), EngineError>;
+
+    /// At the barrier of `checkpoint`, once every input has delivered it and before
+    /// the task's snapshot and the barrier go on: outputs appended to `out` are sent
+    /// ahead of the barrier (they belong to `checkpoint`), and state changed here is in
+    /// its snapshot.
+    fn on_barrier(
+        &mut self,
+        checkpoint: CheckpointId,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let _ = (checkpoint, state, out);
+        Ok(())
+    }
+
+    /// Every upstream's input has ended: emit what was waiting for more input (open
+    /// windows, partial aggregates). It lands before the final checkpoint's barrier.
+    /// A restore from a checkpoint taken after the end calls it again, so emit from
+    /// state and clear what was emitted (then the second call emits nothing).
+    fn on_end_of_input(
+        &mut self,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let _ = (state, out);
+        Ok(())
+    }
+
+    /// The task stops with the job (after the last checkpoint it took part in); not
+    /// called when it crashes or fails.
+    fn close(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
 
     /// Whether the operator's output is a function of its keyed state and the
     /// records of each key, whatever the order in which its inputs interleave (no
