@@ -462,11 +462,9 @@ impl TaskDriver {
     /// Upstream `upstream`'s input ended; once every upstream's has, the operator's
     /// last output goes out and this task's input has ended too.
     fn on_end_of_input(&mut self, upstream: TaskId) -> Result<(), EngineError> {
+        let ended = &mut self.progress.ended;
         let known = self.inputs.iter().any(|(up, _)| *up == upstream);
-        if !known
-            || !self.progress.ended.insert(upstream)
-            || self.progress.ended.len() < self.inputs.len()
-        {
+        if !known || !ended.insert(upstream) || ended.len() < self.inputs.len() {
             return Ok(());
         }
         tracing::debug!(task = %self.task, "every input has ended");

@@ -150,14 +150,13 @@ impl Engine {
         metrics: &Arc<Metrics>,
         tell: Option<Box<dyn FnOnce(SocketAddr) + Send>>,
     ) -> Result<Option<MetricsServer>, EngineError> {
-        let Some(listen) = listen else {
-            return Ok(None);
-        };
-        let served = MetricsServer::start(listen, Arc::clone(metrics), self.runtime.handle())?;
-        if let Some(tell) = tell {
+        let handle = self.runtime.handle();
+        let served = listen.map(|at| MetricsServer::start(at, Arc::clone(metrics), handle));
+        let served = served.transpose()?;
+        if let (Some(served), Some(tell)) = (&served, tell) {
             tell(served.address);
         }
-        Ok(Some(served))
+        Ok(served)
     }
 
     /// Releases the lease (a successor takes over at once).

@@ -239,9 +239,7 @@ impl MetricsServer {
 impl Drop for MetricsServer {
     /// Stops accepting and closes the port before returning.
     fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _gone = stop.send(());
-        }
+        let _gone = self.stop.take().map(|stop| stop.send(()));
         let _closed = self.stopped.recv_timeout(Duration::from_secs(5));
     }
 }
