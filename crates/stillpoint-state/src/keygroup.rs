@@ -139,7 +139,9 @@ mod tests {
             for word in 0..2_000_u32 {
                 let key = format!("word-{word}");
                 let index = router.route(key.as_bytes());
-                let owned = groups.range_of(parallelism, index as u32).unwrap();
+                let owned = groups
+                    .range_of(parallelism, u32::try_from(index).unwrap())
+                    .unwrap();
                 assert!(owned.contains(groups.of(key.as_bytes())), "{key} → {index}");
             }
         }
