@@ -89,13 +89,20 @@ fn the_record_batch_and_envelope_examples_decode() {
             .1
             .clone()
     };
-    let batch = find("Record batch");
-    let records = decode_batch(&Bytes::from(batch.clone())).unwrap();
-    assert_eq!(
-        records,
-        [Record::new("the", "1"), Record::new("quick", "2")]
-    );
-    assert_eq!(&encode_batch(&records)[..], &batch[..]);
+    for (prefix, first_time) in [
+        ("Record batch: ", None),
+        ("Record batch with an event time", Some(1_000)),
+    ] {
+        let batch = find(prefix);
+        let records = decode_batch(&Bytes::from(batch.clone())).unwrap();
+        let the = Record::new("the", "1");
+        let the = match first_time {
+            Some(time) => the.at(time),
+            None => the,
+        };
+        assert_eq!(records, [the, Record::new("quick", "2")], "{prefix}");
+        assert_eq!(&encode_batch(&records)[..], &batch[..], "{prefix}");
+    }
 
     let decoder = FrameDecoder::default();
     for (prefix, expect) in [

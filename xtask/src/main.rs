@@ -14,7 +14,6 @@
 //! cargo xtask release [--dry-run] VERSION   bump, changelog, package, publish dry run
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::indexing_slicing))]
 
 mod bench;
 mod fuzz;

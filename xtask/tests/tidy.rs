@@ -116,8 +116,9 @@ fn no_should_panic_or_ignore_attributes() {
 }
 
 /// Which workspace crates each crate may depend on (DESIGN §1):
-/// cli → {cluster, connectors} → stillpoint → {task, state, backup} → wire; the
-/// middle three never on each other.
+/// cli → {cluster, connectors} → stillpoint → {task, state, backup, metrics} → wire;
+/// the middle ones never on each other, but metrics reads the task crate's completed
+/// checkpoints.
 fn allowed_internal() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
     let set = |names: &[&'static str]| names.iter().copied().collect::<BTreeSet<_>>();
     let lower = [
@@ -125,6 +126,7 @@ fn allowed_internal() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
         "stillpoint-task",
         "stillpoint-state",
         "stillpoint-backup",
+        "stillpoint-metrics",
     ];
     let mut all = lower.to_vec();
     all.push("stillpoint");
@@ -135,6 +137,10 @@ fn allowed_internal() -> BTreeMap<&'static str, BTreeSet<&'static str>> {
         ("stillpoint-task", set(&["stillpoint-wire"])),
         ("stillpoint-state", set(&["stillpoint-wire"])),
         ("stillpoint-backup", set(&["stillpoint-wire"])),
+        (
+            "stillpoint-metrics",
+            set(&["stillpoint-wire", "stillpoint-task"]),
+        ),
         ("stillpoint", set(&lower)),
         // Connectors use the engine's public API only (and the wire crate's ids).
         (
@@ -340,6 +346,7 @@ fn top_level_holds_only_what_design_draws() {
     let allowed = [
         "Cargo.toml",
         "Cargo.lock",
+        "clippy.toml",
         ".cargo",
         ".ci",
         ".gitignore",
@@ -438,7 +445,7 @@ fn engine_modules() -> Vec<(String, String)> {
 /// DESIGN §1: `stillpoint` is the thin crate that composes the layers. A ratchet
 /// just above today's measure: issue 20's target is 2,500 and is not met yet
 /// (docs/ARCHITECTURE.md says what is left); lower it as code leaves, never raise it.
-const ENGINE_CODE_LINES: usize = 2_850;
+const ENGINE_CODE_LINES: usize = 2_650;
 
 #[test]
 fn the_integration_crate_stays_thin() {

@@ -42,16 +42,6 @@
 //! Every method is `async` on Tokio. The layout of a store is in [`layout`]'s docs
 //! and `docs/store-layout.md`; the journal's file format in [`journal`].
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod crypto;
 mod durable_fs;
 mod error;

@@ -12,16 +12,6 @@
 //! assert_eq!(job.config.checkpoint_interval, std::time::Duration::from_millis(500));
 //! # Ok::<(), stillpoint_cli::ConfigError>(())
 //! ```
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod job_file;
 
 pub use job_file::{ConfigError, Job};

@@ -52,16 +52,6 @@
 //! node's tasks are the engine's ([`stillpoint::Engine::start_tasks`]) with this
 //! crate's TCP transport.
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod auth;
 mod coordinator;
 mod net;

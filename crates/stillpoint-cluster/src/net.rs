@@ -203,7 +203,13 @@ pub(crate) fn edge_receiver(
             return;
         }
         match (&message, &data) {
-            (Message::Data(_) | Message::Barrier(_) | Message::EndOfInput(_), Some(data)) => {
+            (
+                Message::Data(_)
+                | Message::Barrier(_)
+                | Message::EndOfInput(_)
+                | Message::Watermark(_),
+                Some(data),
+            ) => {
                 if !send_bounded(data, message, &signals) {
                     return;
                 }

@@ -1,7 +1,9 @@
 //! A deterministic bounded source of generated words, for tests, benchmarks and the
 //! embedded default job.
 
-use stillpoint::{EngineError, Record, Source, SourcePoll};
+use std::time::Duration;
+
+use stillpoint::{EngineError, Record, Source, SourcePoll, WatermarkStrategy};
 use stillpoint_wire::SourceOffset;
 
 /// The position a source that counts records or bytes reports as its offset.
@@ -20,6 +22,8 @@ pub struct GeneratedWords {
     total: u64,
     vocabulary: u32,
     position: u64,
+    /// `(step, disorder)` in milliseconds: see [`GeneratedWords::with_event_times`].
+    times: Option<(i64, i64)>,
 }
 
 impl GeneratedWords {
@@ -32,21 +36,51 @@ impl GeneratedWords {
             total,
             vocabulary: vocabulary.max(1),
             position: 0,
+            times: None,
         }
+    }
+
+    /// Gives record `i` the event time `i × step` minus up to `disorder` (drawn from
+    /// the same hash), so times arrive out of order by at most `disorder`; the
+    /// source's watermarks trail by `disorder`, so no record is ever late. It is
+    /// never idle: a pause (waiting at a replay's bound) must not let other sources
+    /// move event time past records it has yet to read.
+    #[must_use]
+    pub fn with_event_times(mut self, step: Duration, disorder: Duration) -> Self {
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        self.times = Some((ms(step), ms(disorder)));
+        self
+    }
+
+    /// The event time of the record at `position`, if the source gives times.
+    #[must_use]
+    pub fn time(&self, position: u64) -> Option<i64> {
+        let (step, disorder) = self.times?;
+        let jitter =
+            (self.mix(position) >> 32) % u64::try_from(disorder).unwrap_or(0).saturating_add(1);
+        let position = i64::try_from(position).unwrap_or(i64::MAX);
+        Some(
+            position
+                .saturating_mul(step)
+                .saturating_sub(i64::try_from(jitter).unwrap_or(0)),
+        )
     }
 
     /// The word at `position`.
     #[must_use]
     pub fn word(&self, position: u64) -> String {
-        // SplitMix64 of the triple: stable across platforms and releases.
+        format!("w{:05}", self.mix(position) % u64::from(self.vocabulary))
+    }
+
+    /// SplitMix64 of `(seed, index, position)`: stable across platforms and releases.
+    fn mix(&self, position: u64) -> u64 {
         let mut z = self
             .seed
             .wrapping_add(u64::from(self.index).wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .wrapping_add(position.wrapping_mul(0xBF58_476D_1CE4_E5B9));
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        format!("w{:05}", z % u64::from(self.vocabulary))
+        z ^ (z >> 31)
     }
 }
 
@@ -77,6 +111,12 @@ impl Source for GeneratedWords {
         true
     }
 
+    fn watermarks(&self) -> Option<WatermarkStrategy> {
+        let (_, disorder) = self.times?;
+        let disorder = Duration::from_millis(u64::try_from(disorder).unwrap_or(0));
+        Some(WatermarkStrategy::bounded(disorder))
+    }
+
     fn poll_until(
         &mut self,
         max: usize,
@@ -105,7 +145,11 @@ impl GeneratedWords {
             return SourcePoll::Idle;
         }
         for position in self.position..end {
-            out.push(Record::new(self.word(position), bytes::Bytes::new()));
+            let record = Record::new(self.word(position), bytes::Bytes::new());
+            out.push(match self.time(position) {
+                Some(time) => record.at(time),
+                None => record,
+            });
         }
         self.position = end;
         SourcePoll::Records

@@ -20,26 +20,18 @@
 //! assert_eq!(read_committed(&out)?.len(), 1_000);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod count;
 mod file_sink;
 mod files;
 mod generated;
+mod windows;
 mod word_count;
 
 pub use count::{COUNTS, KeyedCount};
 pub use file_sink::{FileSinkFactory, TransactionalFileSink, read_committed, recover_transactions};
 pub use files::{FileLines, LogDir, MAX_LINE_BYTES};
 pub use generated::GeneratedWords;
+pub use windows::{Aggregate, CountAggregate, WINDOWS, Window, WindowOperator, WindowSpec};
 pub use word_count::{WordCount, WordInput};
 
 #[doc = include_str!("../README.md")]

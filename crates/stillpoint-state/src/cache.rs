@@ -290,6 +290,7 @@ pub struct CachedState {
     digests: SharedDigests,
     spare: Spare,
     spills: u64,
+    pub(crate) timers: crate::timers::TimerIndex,
 }
 
 /// The result of a [`SnapshotJob`].
@@ -352,6 +353,7 @@ impl CachedState {
             digests: Arc::new(Mutex::new(DigestCache::default())),
             spare: Spare::default(),
             spills: 0,
+            timers: crate::timers::TimerIndex::default(),
         };
         for state in cache.backend.states() {
             cache.id(&state);

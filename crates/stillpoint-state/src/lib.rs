@@ -27,22 +27,13 @@
 //! RocksDB, [`CachedState`] the write-back cache over it. The write-ahead log is off:
 //! checkpoints are the durability boundary (see [`StateConfig`]).
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod cache;
 mod config;
 mod error;
 mod keygroup;
 mod rocks;
 mod snapshot;
+mod timers;
 mod typed;
 mod work_dir;
 
@@ -54,6 +45,7 @@ pub use rocks::{
     FieldValues, KeyedState, RocksStateBackend, ScanVisitor, StateBatch, StateOwner, StateWrite,
 };
 pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
+pub use timers::{TIMER_STATE, TimeDomain, Timer, processing_time};
 pub use typed::{MapState, ValueState};
 pub use work_dir::WorkDir;
 

@@ -73,18 +73,9 @@
 //! `docs/state-machines.md` draws both machines and maps every case of the protocol
 //! to its handler and test.
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod cluster;
 mod coordinator;
+mod event_time;
 mod graph;
 #[cfg(feature = "sim")]
 pub mod sim;
@@ -99,6 +90,7 @@ pub use coordinator::{
     CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, CoordinatorError,
     ManifestRequest, TaskReport,
 };
+pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
 pub use graph::{GraphError, Partitioning, TaskGraph};
 pub use task::{
     ConfigError, RestoredCheckpoint, TaskAction, TaskConfig, TaskError, TaskLevel, TaskMachine,

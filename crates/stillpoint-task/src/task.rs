@@ -609,7 +609,8 @@ impl TaskMachine {
             Message::CheckpointSourceRsp(_)
             | Message::CheckpointReport(_)
             | Message::Data(_)
-            | Message::EndOfInput(_) => Err(TaskError::UnexpectedKind(kind)),
+            | Message::EndOfInput(_)
+            | Message::Watermark(_) => Err(TaskError::UnexpectedKind(kind)),
         }
     }
 

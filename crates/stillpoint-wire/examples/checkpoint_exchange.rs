@@ -66,6 +66,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (
             "task-1",
             "task-2",
+            Watermark {
+                stream,
+                upstream: source,
+                downstream: aggregate,
+                time: 1_000,
+                idle: false,
+            }
+            .into(),
+        ),
+        (
+            "task-1",
+            "task-2",
             EndOfInput {
                 stream,
                 upstream: source,

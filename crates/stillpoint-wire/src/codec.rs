@@ -7,7 +7,7 @@ use crate::message::{
     AbortReason, Barrier, BarrierAck, CheckpointAbort, CheckpointComplete, CheckpointReady,
     CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, EndOfInput,
     Message, MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
-    SnapshotReport,
+    SnapshotReport, Watermark,
 };
 use crate::{
     CheckpointId, CheckpointKind, NodeId, PathProblem, RelativePath, Sha256Digest, SourceOffset,
@@ -413,6 +413,13 @@ fn write_payload<S: FieldSink>(message: &Message, sink: &mut S) -> Result<(), En
             w.stream(m.stream);
             w.task(m.upstream);
             w.task(m.downstream);
+        }
+        Message::Watermark(m) => {
+            w.stream(m.stream);
+            w.task(m.upstream);
+            w.task(m.downstream);
+            w.sink.put(&m.time.to_le_bytes());
+            w.u8(u8::from(m.idle));
         }
     }
     Ok(())
@@ -927,6 +934,14 @@ fn decode_payload(kind: MessageKind, payload: Bytes) -> Result<Message, FrameErr
             stream: r.stream()?,
             upstream: r.task("upstream")?,
             downstream: r.task("downstream")?,
+        }
+        .into(),
+        MessageKind::Watermark => Watermark {
+            stream: r.stream()?,
+            upstream: r.task("upstream")?,
+            downstream: r.task("downstream")?,
+            time: i64::from_le_bytes(r.array("time")?),
+            idle: r.tag("idle", 1)? == 1,
         }
         .into(),
     };

@@ -39,16 +39,6 @@
 //!
 //! The byte-level format is specified in `docs/wire-format.md` of the repository.
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod batch;
 mod codec;
 mod digest;
@@ -77,7 +67,7 @@ pub use message::{
     AbortReason, Barrier, BarrierAck, CheckpointAbort, CheckpointComplete, CheckpointReady,
     CheckpointReadyAck, CheckpointReport, CheckpointSource, CheckpointSourceRsp, Data, EndOfInput,
     Message, MessageKind, ReportOutcome, RetrieveAnswer, RetrieveBarrier, RetrieveBarrierRsp,
-    Route, SnapshotReport,
+    Route, SnapshotReport, Watermark,
 };
 pub use offset::{OffsetTooLong, SourceOffset};
 pub use path::{PathProblem, RelativePath};

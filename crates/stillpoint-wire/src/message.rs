@@ -43,11 +43,13 @@ pub enum MessageKind {
     Data = 12,
     /// [`EndOfInput`].
     EndOfInput = 13,
+    /// [`Watermark`].
+    Watermark = 14,
 }
 
 impl MessageKind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 14] = [
         Self::CheckpointSource,
         Self::CheckpointSourceRsp,
         Self::Barrier,
@@ -61,6 +63,7 @@ impl MessageKind {
         Self::CheckpointAbort,
         Self::Data,
         Self::EndOfInput,
+        Self::Watermark,
     ];
 
     /// The kind with wire code `code`, if there is one.
@@ -92,6 +95,7 @@ impl MessageKind {
             Self::CheckpointAbort => "CheckpointAbort",
             Self::Data => "Data",
             Self::EndOfInput => "EndOfInput",
+            Self::Watermark => "Watermark",
         }
     }
 }
@@ -367,6 +371,24 @@ pub struct EndOfInput {
     pub downstream: TaskId,
 }
 
+/// Upstream → downstream, in-band with data: event time has reached `time` on this
+/// edge — no record with an earlier event time follows (those that do anyway are
+/// late). `idle`: the upstream has no input for now and is left out of its
+/// downstream's watermark until it sends a watermark that is not idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Watermark {
+    /// The stream.
+    pub stream: StreamId,
+    /// The sending task.
+    pub upstream: TaskId,
+    /// The receiving task.
+    pub downstream: TaskId,
+    /// The event time reached, in milliseconds.
+    pub time: i64,
+    /// Whether the upstream is idle.
+    pub idle: bool,
+}
+
 /// Any protocol message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[allow(missing_docs)] // each variant is documented by its struct
@@ -384,6 +406,7 @@ pub enum Message {
     CheckpointAbort(CheckpointAbort),
     Data(Data),
     EndOfInput(EndOfInput),
+    Watermark(Watermark),
 }
 
 impl Message {
@@ -404,6 +427,7 @@ impl Message {
             Self::CheckpointAbort(_) => MessageKind::CheckpointAbort,
             Self::Data(_) => MessageKind::Data,
             Self::EndOfInput(_) => MessageKind::EndOfInput,
+            Self::Watermark(_) => MessageKind::Watermark,
         }
     }
 
@@ -424,6 +448,7 @@ impl Message {
             Self::CheckpointAbort(m) => m.stream,
             Self::Data(m) => m.stream,
             Self::EndOfInput(m) => m.stream,
+            Self::Watermark(m) => m.stream,
         }
     }
 
@@ -439,6 +464,7 @@ impl Message {
             Self::CheckpointReport(m) => return Route::ToCoordinator(m.task),
             Self::Data(m) => (m.upstream, m.downstream, true),
             Self::EndOfInput(m) => (m.upstream, m.downstream, true),
+            Self::Watermark(m) => (m.upstream, m.downstream, true),
             Self::Barrier(m) => (m.upstream, m.downstream, true),
             Self::CheckpointReadyAck(m) => (m.upstream, m.downstream, true),
             Self::RetrieveBarrierRsp(m) => (m.upstream, m.downstream, true),
@@ -468,8 +494,8 @@ impl Message {
         }
     }
 
-    /// The checkpoint a control message is about; `None` for [`Data`] and
-    /// [`EndOfInput`].
+    /// The checkpoint a control message is about; `None` for [`Data`],
+    /// [`EndOfInput`] and [`Watermark`].
     #[must_use]
     pub const fn checkpoint(&self) -> Option<CheckpointId> {
         match self {
@@ -484,7 +510,7 @@ impl Message {
             Self::CheckpointReport(m) => Some(m.checkpoint),
             Self::CheckpointComplete(m) => Some(m.checkpoint),
             Self::CheckpointAbort(m) => Some(m.checkpoint),
-            Self::Data(_) | Self::EndOfInput(_) => None,
+            Self::Data(_) | Self::EndOfInput(_) | Self::Watermark(_) => None,
         }
     }
 }
@@ -532,6 +558,7 @@ into_message!(
     CheckpointAbort,
     Data,
     EndOfInput,
+    Watermark,
 );
 
 #[cfg(test)]
@@ -545,6 +572,6 @@ mod tests {
             assert_eq!(MessageKind::from_code(kind.code()), Some(kind));
         }
         assert_eq!(MessageKind::from_code(0), None);
-        assert_eq!(MessageKind::from_code(14), None);
+        assert_eq!(MessageKind::from_code(15), None);
     }
 }

@@ -8,16 +8,18 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use stillpoint_backup::{LocalRestore, Store};
 use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, StateOwner};
-use stillpoint_task::{RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine};
+use stillpoint_task::{
+    EventClock, RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine, WatermarkGenerator,
+};
 use stillpoint_wire::{Message, NodeId, SnapshotManifest, TaskId};
 
 use crate::dataflow::{Bounds, StageKind};
 use crate::driver::{
     ExportJob, ExportOutcome, Partitioner, Progress, ReplayRole, Role, TaskDriver, export_loop,
 };
-use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Links};
 use crate::{Dataflow, EngineError, JobConfig, Partitioning};
+use stillpoint_metrics::Metrics;
 
 /// A task's connections: its inputs (one bounded channel per upstream), its control
 /// channel and where its messages go.
@@ -126,6 +128,7 @@ impl Builder<'_> {
             ),
         };
         let upstreams: Vec<TaskId> = wiring.inputs.iter().map(|(u, _)| *u).collect();
+        let clock = EventClock::new(upstreams.iter().copied());
         let state = CachedState::new(self.state(task)?);
         let restored = self.restore.map(|r| RestoredCheckpoint {
             checkpoint: r.manifest.checkpoint,
@@ -183,7 +186,6 @@ impl Builder<'_> {
             stream: self.config.stream,
             task,
             machine,
-            role,
             state,
             inputs: wiring.inputs,
             control: wiring.control,
@@ -199,6 +201,12 @@ impl Builder<'_> {
             records: self.metrics.records_of(task),
             replay,
             progress: Progress::default(),
+            watermarks: match &role {
+                Role::Source(source) => source.watermarks().map(WatermarkGenerator::new),
+                Role::Operator(_) | Role::Sink(_) => None,
+            },
+            role,
+            clock,
         };
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))

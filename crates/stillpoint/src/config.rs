@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use stillpoint_backup::{Retention, StoreOptions};
+use stillpoint_metrics::CheckpointStats;
 use stillpoint_state::StateConfig;
-use stillpoint_task::CompletedCheckpoint;
 use stillpoint_wire::{CheckpointId, StreamId};
 
 /// Where and how a job runs and checkpoints. Every field has a default.
@@ -164,39 +163,6 @@ impl std::fmt::Debug for RunOptions {
             .field("crash_after", &self.crash_after)
             .field("stop", &self.stop)
             .finish_non_exhaustive()
-    }
-}
-
-/// Statistics of one completed checkpoint, kept in the store next to it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointStats {
-    /// The checkpoint.
-    pub checkpoint: u64,
-    /// `checkpoint` or `savepoint`.
-    pub kind: String,
-    /// Trigger to commit, milliseconds.
-    pub duration_millis: u64,
-    /// Longest alignment of any task, microseconds.
-    pub max_alignment_micros: u64,
-    /// Longest synchronous snapshot (the task's stall), microseconds.
-    pub max_sync_micros: u64,
-    /// Full state size.
-    pub state_bytes: u64,
-    /// Bytes uploaded for this checkpoint.
-    pub uploaded_bytes: u64,
-}
-
-impl From<&CompletedCheckpoint> for CheckpointStats {
-    fn from(done: &CompletedCheckpoint) -> Self {
-        Self {
-            checkpoint: done.checkpoint.get(),
-            kind: done.kind.to_string(),
-            duration_millis: u64::try_from(done.duration.as_millis()).unwrap_or(u64::MAX),
-            max_alignment_micros: done.max_alignment_micros,
-            max_sync_micros: done.max_sync_micros,
-            state_bytes: done.state_bytes,
-            uploaded_bytes: done.uploaded_bytes,
-        }
     }
 }
 

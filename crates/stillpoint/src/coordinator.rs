@@ -15,12 +15,12 @@ use stillpoint_wire::{
     TaskId, TaskSnapshotRef,
 };
 
-use crate::metrics::Metrics;
 use crate::transport::{CoordinatorInput, Signals};
 use crate::{
     CheckpointCallback, CheckpointStats, Dataflow, Engine, EngineError, JobConfig, JobReport,
     RestoreChoice, RunOptions, StopHandle,
 };
+use stillpoint_metrics::Metrics;
 
 struct CoordinatorDriver<'a, E> {
     coordinator: Coordinator,

@@ -8,11 +8,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
 use stillpoint_backup::Store;
-use stillpoint_state::{CachedState, KeyGroupRouter, SnapshotJob};
-use stillpoint_task::{TaskAction, TaskMachine, Time};
+use stillpoint_state::{CachedState, KeyGroupRouter, SnapshotJob, TimeDomain, processing_time};
+use stillpoint_task::{
+    EventClock, EventTimeUpdate, TaskAction, TaskMachine, Time, WatermarkGenerator,
+};
 use stillpoint_wire::{
     CheckpointId, Data, EndOfInput, Message, NodeId, SnapshotReport, SourceOffset, StreamId,
-    TaskId, decode_batch, encode_batch,
+    TaskId, Watermark, decode_batch, encode_batch,
 };
 
 use crate::transport::{CoordinatorInput, Links};
@@ -145,10 +147,13 @@ pub(crate) struct TaskDriver {
     pub(crate) epoch: Instant,
     pub(crate) batch: usize,
     /// Records this task took in (read or received), for the metrics.
-    pub(crate) records: prometheus_client::metrics::counter::Counter,
+    pub(crate) records: stillpoint_metrics::Counter,
     /// A replay up to published output ([`Replay`]): what this task does until it.
     pub(crate) replay: ReplayRole,
     pub(crate) progress: Progress,
+    /// Event time over the inputs, and a source's watermark generator.
+    pub(crate) clock: EventClock,
+    pub(crate) watermarks: Option<WatermarkGenerator>,
 }
 
 /// What a task's driver keeps track of as it goes.
@@ -216,6 +221,7 @@ impl TaskDriver {
             }
             self.drain_control()?;
             self.drain_exports()?;
+            self.fire_timers(TimeDomain::ProcessingTime, processing_time())?;
             let now = self.now();
             if self.machine.poll_timeout().is_some_and(|t| t <= now) {
                 self.machine.handle_timeout(now);
@@ -326,9 +332,17 @@ impl TaskDriver {
         match polled {
             SourcePoll::Records => {
                 self.records.inc_by(records.len() as u64);
-                self.emit(records)
+                let times = records.iter().map(|r| r.time);
+                let update = self.watermarks.as_mut().and_then(|w| w.on_records(times));
+                self.emit(records)?;
+                self.on_event_time(update)
             }
-            SourcePoll::Idle => self.idle(Duration::from_millis(1)),
+            SourcePoll::Idle => {
+                let now = self.now();
+                let update = self.watermarks.as_mut().and_then(|w| w.on_nothing(now));
+                self.on_event_time(update)?;
+                self.idle(Duration::from_millis(1))
+            }
             SourcePoll::Finished if replaying => Err(EngineError::Invalid(format!(
                 "{}: the input ended before the offset its published output covers: it changed after that output was published",
                 self.task
@@ -424,6 +438,10 @@ impl TaskDriver {
         match message {
             Message::Data(data) => self.process(&data),
             Message::EndOfInput(end) => self.on_end_of_input(end.upstream),
+            Message::Watermark(mark) => {
+                let update = self.clock.on_watermark(mark.upstream, mark.time, mark.idle);
+                self.on_event_time(update)
+            }
             Message::Barrier(_) => {
                 if let Err(error) = self.machine.handle_message(self.now(), &message) {
                     tracing::warn!(%error, "barrier refused");
@@ -459,12 +477,17 @@ impl TaskDriver {
         }
     }
 
-    /// Upstream `upstream`'s input ended; once every upstream's has, the operator's
-    /// last output goes out and this task's input has ended too.
+    /// Upstream `upstream`'s input ended; once every upstream's has, event time
+    /// ends (every event-time timer fires), the operator's last output goes out and
+    /// this task's input has ended too.
     fn on_end_of_input(&mut self, upstream: TaskId) -> Result<(), EngineError> {
-        let ended = &mut self.progress.ended;
         let known = self.inputs.iter().any(|(up, _)| *up == upstream);
-        if !known || !ended.insert(upstream) || ended.len() < self.inputs.len() {
+        if !known || !self.progress.ended.insert(upstream) {
+            return Ok(());
+        }
+        let update = self.clock.on_end(upstream);
+        self.on_event_time(update)?;
+        if self.progress.ended.len() < self.inputs.len() {
             return Ok(());
         }
         tracing::debug!(task = %self.task, "every input has ended");
@@ -478,12 +501,58 @@ impl TaskDriver {
 
     /// Tells every downstream that this task's input has ended (after its last record).
     fn end_input(&mut self) -> Result<(), EngineError> {
-        for downstream in self.downstreams.clone() {
-            self.links.route(Message::EndOfInput(EndOfInput {
-                stream: self.stream,
-                upstream: self.task,
+        let (stream, upstream) = (self.stream, self.task);
+        self.broadcast(|downstream| {
+            EndOfInput {
+                stream,
+                upstream,
                 downstream,
-            }))?;
+            }
+            .into()
+        })
+    }
+
+    /// This task's event time advanced (or went idle): due event-time timers fire,
+    /// their output goes out, then the watermark goes to every downstream.
+    fn on_event_time(&mut self, update: Option<EventTimeUpdate>) -> Result<(), EngineError> {
+        let (time, idle) = match update {
+            None => return Ok(()),
+            Some(EventTimeUpdate::Idle) => (self.state.watermark(), true),
+            Some(EventTimeUpdate::Advanced(time)) => {
+                self.state.advance_watermark(time);
+                self.fire_timers(TimeDomain::EventTime, time)?;
+                (time, false)
+            }
+        };
+        let (stream, upstream) = (self.stream, self.task);
+        self.broadcast(|downstream| {
+            Watermark {
+                stream,
+                upstream,
+                downstream,
+                time,
+                idle,
+            }
+            .into()
+        })
+    }
+
+    /// Fires an operator's timers on `domain`'s clock due at `now`, in time order.
+    fn fire_timers(&mut self, domain: TimeDomain, now: i64) -> Result<(), EngineError> {
+        let Role::Operator(operator) = &mut self.role else {
+            return Ok(());
+        };
+        let mut out = Vec::new();
+        while let Some(timer) = self.state.pop_timer(domain, now)? {
+            operator.on_timer(timer, &mut self.state, &mut out)?;
+        }
+        self.emit(out)
+    }
+
+    /// Sends one message to every downstream.
+    fn broadcast(&mut self, message: impl Fn(TaskId) -> Message) -> Result<(), EngineError> {
+        for downstream in self.downstreams.clone() {
+            self.links.route(message(downstream))?;
         }
         Ok(())
     }

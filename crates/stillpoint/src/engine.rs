@@ -20,9 +20,9 @@ use stillpoint_wire::{CheckpointId, Message, NodeId, SourcePosition, TaskId};
 use crate::build::{Builder, Spawned, Wiring, join_all};
 use crate::dataflow::{Bounds, RestorePlan};
 
-use crate::metrics::{Metrics, MetricsServer};
 use crate::transport::{ControlMap, CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, Replayed, ToDataflow};
+use stillpoint_metrics::{Metrics, MetricsServer};
 
 /// A job opened by one process: what every task, restore and coordinator run of
 /// this process is built from.

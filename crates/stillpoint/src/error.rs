@@ -130,3 +130,9 @@ impl From<stillpoint_wire::EnvelopeError> for EngineError {
         Self::Net(error.to_string())
     }
 }
+
+impl From<stillpoint_metrics::ListenError> for EngineError {
+    fn from(error: stillpoint_metrics::ListenError) -> Self {
+        Self::io("listen on", error.address.to_string(), &error.source)
+    }
+}

@@ -9,11 +9,11 @@ use std::time::Duration;
 use stillpoint_backup::{LocalRestore, Store};
 use stillpoint_wire::NodeId;
 
-use crate::metrics::Metrics;
 use crate::{
     CheckpointRun, CheckpointStats, Engine, EngineError, FallBack, InProcess, JobConfig, JobReport,
     RestoreChoice, RunOptions, TaskStart, ToDataflow,
 };
+use stillpoint_metrics::Metrics;
 
 const NODE: NodeId = NodeId(1);
 

@@ -25,16 +25,6 @@
 //! recorded offsets and continues; sinks publish each checkpoint's output when it
 //! completes, so a crash at any moment loses and duplicates nothing.
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod build;
 mod config;
 mod coordinator;
@@ -43,13 +33,12 @@ mod driver;
 mod engine;
 mod error;
 mod job;
-mod metrics;
 mod pipeline;
 mod transport;
 
 pub use config::{
-    CheckpointCallback, CheckpointStats, FallBack, JobConfig, JobReport, Replayed, RunOptions,
-    StartCallback, StopHandle,
+    CheckpointCallback, FallBack, JobConfig, JobReport, Replayed, RunOptions, StartCallback,
+    StopHandle,
 };
 pub use coordinator::{CheckpointRun, RunEnded};
 pub use dataflow::{
@@ -61,17 +50,22 @@ pub use engine::{
 };
 pub use error::EngineError;
 pub use job::{checkpoint_history, run, run_word_count};
-pub use metrics::{Metrics, MetricsServer};
 pub use pipeline::{Operator, Persist, Sink, Source, SourcePoll};
 /// The job's lease as [`Engine::lease`] takes it (refreshed by a task beside its
 /// holder).
 pub use stillpoint_backup::KeptLease;
 /// The local snapshots a restart restores from ([`Engine::fetch_restore`]).
 pub use stillpoint_backup::LocalRestore;
+/// Checkpoint statistics and the job's metrics, with their endpoint.
+pub use stillpoint_metrics::{CheckpointStats, ListenError, Metrics, MetricsServer};
 /// A process's hold on its work directory ([`Engine::lock_work_dir`]).
 pub use stillpoint_state::WorkDir;
-/// The keyed state an [`Operator`] works on.
-pub use stillpoint_state::{CachedState, KeyedState, MapState, ValueState};
+/// The keyed state an [`Operator`] works on, and the timers it keeps there.
+pub use stillpoint_state::{
+    CachedState, KeyedState, MapState, TimeDomain, Timer, ValueState, processing_time,
+};
+/// How a [`Source`] derives watermarks from event times.
+pub use stillpoint_task::WatermarkStrategy;
 pub use stillpoint_wire::{BatchError, Record, decode_batch, encode_batch};
 pub use stillpoint_wire::{EngineMessage, Envelope, EnvelopeError, read_envelope, write_envelope};
 pub use transport::{CoordinatorInput, Signals};

@@ -2,7 +2,8 @@
 //! built-in ones (generated words, files, logs, a keyed counter, a transactional file
 //! sink) are in the `stillpoint-connectors` crate.
 
-use stillpoint_state::CachedState;
+use stillpoint_state::{CachedState, Timer};
+use stillpoint_task::WatermarkStrategy;
 use stillpoint_wire::{CheckpointId, SourceOffset};
 
 use crate::{EngineError, Record};
@@ -48,6 +49,13 @@ pub trait Source: Send {
         let _ = bound;
         self.poll(max, out)
     }
+
+    /// How this source's tasks generate watermarks from the event times of the
+    /// records they read ([`Record::time`], which the source sets); `None` (the
+    /// default): no watermarks, and event time downstream stays at its start.
+    fn watermarks(&self) -> Option<WatermarkStrategy> {
+        None
+    }
 }
 
 /// A keyed operator: each record is processed with the task's keyed state (whose key
@@ -64,8 +72,11 @@ pub trait Source: Send {
 ///   on: what it emits lands in that checkpoint. An operator that buffers output in
 ///   memory (mini-batches, async lookups) flushes it here — memory is not in the
 ///   checkpoint, so output still buffered at the barrier would be lost by a restore;
+/// - [`Operator::on_timer`] when a timer it set fires: an event-time timer once the
+///   task's watermark reaches it, a processing-time one once the wall clock does;
 /// - [`Operator::on_end_of_input`] once every upstream's input has ended (a bounded
-///   job): what it emits lands before the final checkpoint's barrier;
+///   job), after every event-time timer has fired: what it emits lands before the
+///   final checkpoint's barrier;
 /// - [`Operator::close`] when the task stops with the job (not on a crash or failure).
 pub trait Operator: Send {
     /// Called once the task's state is restored (or opened empty), before any record
@@ -94,6 +105,19 @@ pub trait Operator: Send {
         out: &mut Vec<Record>,
     ) -> Result<(), EngineError> {
         let _ = (checkpoint, state, out);
+        Ok(())
+    }
+
+    /// A timer set with [`CachedState::register_timer`] is due (it is removed from
+    /// state as it fires). Timers are keyed state: a restore brings them back and a
+    /// rescale moves them with their key's group. Outputs appended to `out` follow.
+    fn on_timer(
+        &mut self,
+        timer: Timer,
+        state: &mut CachedState,
+        out: &mut Vec<Record>,
+    ) -> Result<(), EngineError> {
+        let _ = (timer, state, out);
         Ok(())
     }
 

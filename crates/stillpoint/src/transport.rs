@@ -100,6 +100,7 @@ impl Links {
             Message::Barrier(m) => return self.send_data(m.downstream, message),
             Message::Data(m) => return self.send_data(m.downstream, message),
             Message::EndOfInput(m) => return self.send_data(m.downstream, message),
+            Message::Watermark(m) => return self.send_data(m.downstream, message),
             Message::CheckpointSourceRsp(_) | Message::CheckpointReport(_) => {
                 // The coordinator outlives every task; a closed channel means the job is
                 // stopping, when late reports no longer matter.

@@ -1,11 +1,35 @@
-//! Job metrics (prometheus-client) and their endpoint: `GET /metrics` served by
-//! hyper on the engine's runtime until the job ends.
+//! Observability of a stillpoint job: the [`CheckpointStats`] kept in the store for
+//! every completed checkpoint, the job's [`Metrics`] (prometheus-client), and the
+//! [`MetricsServer`] that serves them at `GET /metrics` — hyper on the engine's tokio
+//! runtime, with a cap on connections and a deadline per connection.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use stillpoint_metrics::{CheckpointStats, Metrics, MetricsServer};
+//! use stillpoint_wire::TaskId;
+//!
+//! let metrics = Arc::new(Metrics::new(&[TaskId(1)]));
+//! metrics.records_of(TaskId(1)).inc_by(5);
+//! metrics.checkpoint_completed(&CheckpointStats {
+//!     checkpoint: 3, kind: "checkpoint".into(), duration_millis: 40,
+//!     max_alignment_micros: 10, max_sync_micros: 90, state_bytes: 4096, uploaded_bytes: 512,
+//! });
+//! assert!(metrics.render().contains("stillpoint_last_checkpoint_id 3"));
+//!
+//! let runtime = tokio::runtime::Runtime::new()?;
+//! let server = MetricsServer::start("127.0.0.1:0".parse()?, metrics, runtime.handle())?;
+//! assert_ne!(server.address.port(), 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+/// A counter of the job's metrics (a task's records).
+pub use prometheus_client::metrics::counter::Counter;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -15,16 +39,57 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-
+use serde::{Deserialize, Serialize};
+use stillpoint_task::CompletedCheckpoint;
 use stillpoint_wire::{NodeId, TaskId};
 
-use crate::{CheckpointStats, EngineError};
+/// Statistics of one completed checkpoint, kept in the store next to it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// The checkpoint.
+    pub checkpoint: u64,
+    /// `checkpoint` or `savepoint`.
+    pub kind: String,
+    /// Trigger to commit, milliseconds.
+    pub duration_millis: u64,
+    /// Longest alignment of any task, microseconds.
+    pub max_alignment_micros: u64,
+    /// Longest synchronous snapshot (the task's stall), microseconds.
+    pub max_sync_micros: u64,
+    /// Full state size.
+    pub state_bytes: u64,
+    /// Bytes uploaded for this checkpoint.
+    pub uploaded_bytes: u64,
+}
+
+impl From<&CompletedCheckpoint> for CheckpointStats {
+    fn from(done: &CompletedCheckpoint) -> Self {
+        Self {
+            checkpoint: done.checkpoint.get(),
+            kind: done.kind.to_string(),
+            duration_millis: u64::try_from(done.duration.as_millis()).unwrap_or(u64::MAX),
+            max_alignment_micros: done.max_alignment_micros,
+            max_sync_micros: done.max_sync_micros,
+            state_bytes: done.state_bytes,
+            uploaded_bytes: done.uploaded_bytes,
+        }
+    }
+}
+
+/// The endpoint could not listen where it was asked to.
+#[derive(Debug, thiserror::Error)]
+#[error("the metrics endpoint cannot listen on {address}: {source}")]
+pub struct ListenError {
+    /// The address asked for.
+    pub address: SocketAddr,
+    /// Why.
+    #[source]
+    pub source: std::io::Error,
+}
 
 /// Counters and gauges of one running job, updated by its threads; exposed in the
 /// OpenMetrics text format by prometheus-client.
@@ -152,11 +217,12 @@ impl Metrics {
     }
 
     /// The record counter of `task` (records it took in: read, or received).
-    pub(crate) fn records_of(&self, task: TaskId) -> Counter {
+    pub fn records_of(&self, task: TaskId) -> Counter {
         self.records.get(&task).cloned().unwrap_or_default()
     }
 
-    pub(crate) fn checkpoint_completed(&self, stats: &CheckpointStats) {
+    /// Records a completed checkpoint.
+    pub fn checkpoint_completed(&self, stats: &CheckpointStats) {
         let whole = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let seconds = |micros: u64| micros as f64 / 1e6;
         self.completed.inc();
@@ -168,7 +234,8 @@ impl Metrics {
         self.uploaded_bytes.inc_by(stats.uploaded_bytes);
     }
 
-    pub(crate) fn checkpoint_aborted(&self) {
+    /// Counts an aborted checkpoint.
+    pub fn checkpoint_aborted(&self) {
         self.aborted.inc();
     }
 
@@ -212,8 +279,11 @@ impl MetricsServer {
         listen: SocketAddr,
         metrics: Arc<Metrics>,
         runtime: &tokio::runtime::Handle,
-    ) -> Result<Self, EngineError> {
-        let failed = |e: std::io::Error| EngineError::io("listen on", listen.to_string(), &e);
+    ) -> Result<Self, ListenError> {
+        let failed = |source| ListenError {
+            address: listen,
+            source,
+        };
         let listener = std::net::TcpListener::bind(listen).map_err(failed)?;
         listener.set_nonblocking(true).map_err(failed)?;
         let address = listener.local_addr().map_err(failed)?;
@@ -319,6 +389,10 @@ fn respond(request: &Request<Incoming>, metrics: &Metrics) -> Response<Full<Byte
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctest;
 
 #[cfg(test)]
 mod tests {
