@@ -113,7 +113,7 @@ fn malformed_frames_give_exact_errors() {
         ("future version", d, frame_with(b"SPNT", 2, 3, 0, &barrier_payload()), Err(FrameError::UnsupportedVersion { found: 2, supported: 1 })),
         ("version zero", d, frame_with(b"SPNT", 0, 3, 0, &barrier_payload()), Err(FrameError::UnsupportedVersion { found: 0, supported: 1 })),
         ("kind zero", d, frame_with(b"SPNT", 1, 0, 0, &[]), Err(FrameError::UnknownKind { found: 0 })),
-        ("kind past the last", d, frame_with(b"SPNT", 1, 14, 0, &[]), Err(FrameError::UnknownKind { found: 14 })),
+        ("kind past the last", d, frame_with(b"SPNT", 1, 15, 0, &[]), Err(FrameError::UnknownKind { found: 15 })),
         ("kind 255", d, frame_with(b"SPNT", 1, 255, 0, &[]), Err(FrameError::UnknownKind { found: 255 })),
         ("undefined flag", d, frame_with(b"SPNT", 1, 3, 0x8000, &barrier_payload()), Err(FrameError::UnsupportedFlags { kind: K::Barrier, flags: 0x8000 })),
         ("length over configured max", small, frame(K::Data, &[0; 1025]), Err(FrameError::FrameTooLarge { kind: K::Data, length: 1025, max: 1024 })),
