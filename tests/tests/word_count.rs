@@ -11,9 +11,10 @@
 
 mod support;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use stillpoint::{RunOptions, StopHandle, run_word_count};
+use stillpoint::{RunOptions, StopHandle, run, run_word_count};
 use stillpoint_connectors::{WordCount, WordInput};
 use support::{committed_output, config, crash_loop, expected_output, percentile};
 
@@ -292,4 +293,47 @@ fn a_stop_with_savepoint_ends_on_a_savepoint_that_restores_rescaled() {
         committed(last.checkpoint),
         "retention deleted the savepoint"
     );
+}
+
+/// Paused, the sources read nothing while checkpoints go on; resumed, the job
+/// finishes exactly once.
+#[test]
+fn a_paused_job_reads_nothing_while_checkpoints_go_on_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = job(dir.path(), 20_000);
+    let stop = StopHandle::new();
+    stop.pause();
+    // (checkpoint, committed lines) at checkpoints 3 and 8, both taken while paused.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let on_checkpoint = {
+        let (stop, seen, job) = (stop.clone(), Arc::clone(&seen), job.clone());
+        move |stats: &stillpoint::CheckpointStats| {
+            if stop.paused() && matches!(stats.checkpoint, 3 | 8) {
+                let lines = stillpoint_connectors::read_committed(&job.output)
+                    .map_or(0, |lines| lines.len());
+                seen.lock().unwrap().push((stats.checkpoint, lines));
+                if stats.checkpoint == 8 {
+                    stop.resume();
+                }
+            }
+        }
+    };
+    let options = RunOptions {
+        stop: stop.clone(),
+        on_checkpoint: Some(Box::new(on_checkpoint)),
+        ..RunOptions::default()
+    };
+    let report = run(&config(dir.path()), &job, options).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "checkpoints 3 and 8 while paused: {seen:?}");
+    assert_eq!(
+        seen[0].1, seen[1].1,
+        "output grew between checkpoints 3 and 8 while paused: {seen:?}"
+    );
+    assert!(
+        seen[1].1 < 40_000,
+        "the job finished while paused: {seen:?}"
+    );
+    assert!(report.checkpoints.len() > 8, "{}", report.checkpoints.len());
+    assert_eq!(committed_output(&job), expected_output(&job));
 }

@@ -141,7 +141,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// Every figure the workspace's benches print, at any size (the smoke run under
 /// `cargo test` included). The peers' figures are computed here, not printed.
-const EXPECTED: [&str; 24] = [
+const EXPECTED: [&str; 25] = [
     "wire.control_encode_decode",
     "wire.data_decode_throughput",
     "wire.data_decode_vs_memcpy_crc32c",
@@ -166,6 +166,7 @@ const EXPECTED: [&str; 24] = [
     "engine.checkpoint_duration_p99_16_tasks",
     "engine.checkpoint_duration_p99_64_tasks",
     "engine.shortest_sustained_interval",
+    "engine.windowed_count_vs_plain_ckpt_1s",
 ];
 
 /// The expected figures `figures` lacks.

@@ -439,6 +439,24 @@ async fn stats(target: &Target, plot: Option<PathBuf>) -> Result<ExitCode> {
                 bytes(s.state_bytes)
             );
         }
+        if let Some(newest) = history.last().filter(|s| !s.tasks.is_empty()) {
+            println!("checkpoint {} per task:", newest.checkpoint);
+            println!(
+                "{:>6}  {:>11}  {:>9}  {:>11}  {:>10}  {:>10}",
+                "task", "alignment", "sync", "async", "uploaded", "state"
+            );
+            for t in &newest.tasks {
+                println!(
+                    "{:>6}  {:>8.2} ms  {:>6.2} ms  {:>8.2} ms  {:>10}  {:>10}",
+                    t.task,
+                    t.alignment_micros as f64 / 1e3,
+                    t.sync_micros as f64 / 1e3,
+                    t.async_micros as f64 / 1e3,
+                    bytes(t.uploaded_bytes),
+                    bytes(t.state_bytes)
+                );
+            }
+        }
     }
     if let Some(path) = plot {
         let svg = crate::plot::svg(

@@ -7,6 +7,7 @@
 //! stream = 1
 //! checkpoint_interval = "1s"        # durations: "250ms", "1s", "5m", …
 //! checkpoint_timeout = "60s"
+//! barrier_wait = "10s"              # aligning longer: ask the missing upstreams, log them
 //! tolerable_failures = 3            # consecutive failed checkpoints before the job fails
 //! max_parallelism = 128             # key groups; fixed for the life of the job
 //! lease_ttl = "60s"
@@ -239,6 +240,8 @@ struct JobSection {
     checkpoint_interval: Duration,
     #[serde(with = "humantime_serde")]
     checkpoint_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    barrier_wait: Duration,
     tolerable_failures: u32,
     max_parallelism: u32,
     #[serde(with = "humantime_serde")]
@@ -256,6 +259,7 @@ impl Default for JobSection {
             stream: defaults.stream.get(),
             checkpoint_interval: defaults.checkpoint_interval,
             checkpoint_timeout: defaults.checkpoint_timeout,
+            barrier_wait: defaults.barrier_wait,
             tolerable_failures: defaults.tolerable_failures,
             max_parallelism: defaults.max_parallelism,
             lease_ttl: defaults.lease_ttl,
@@ -471,6 +475,9 @@ impl JobFile {
         if job.checkpoint_interval.is_zero() {
             return Err(invalid("job.checkpoint_interval", "must be positive"));
         }
+        if job.barrier_wait.is_zero() {
+            return Err(invalid("job.barrier_wait", "must be positive"));
+        }
         if job.max_parallelism == 0 || job.max_parallelism > 32_768 {
             return Err(invalid("job.max_parallelism", "must be in 1..=32768"));
         }
@@ -590,6 +597,7 @@ impl JobFile {
         };
         config.checkpoint_interval = job.checkpoint_interval;
         config.checkpoint_timeout = job.checkpoint_timeout;
+        config.barrier_wait = job.barrier_wait;
         config.tolerable_failures = job.tolerable_failures;
         config.batch_records = job.batch_records;
         config.channel_batches = job.channel_batches;
@@ -795,6 +803,7 @@ input = { kind = "files", paths = ["in.txt"] }
             ),
             ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
             ("[job]\nbatch_records = 0\n", "job.batch_records"),
+            ("[job]\nbarrier_wait = \"0s\"\n", "job.barrier_wait"),
             ("[job]\nchannel_batches = 100000\n", "job.channel_batches"),
             ("[store]\nfault_ratio = 1.5\n", "store.fault_ratio"),
             ("[store]\nfault_ratio = nan\n", "store.fault_ratio"),

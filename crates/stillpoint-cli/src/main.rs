@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! stillpoint run [JOB.toml]                  the job (default: the built-in word count)
+//! stillpoint pause | resume [JOB.toml]       pause or resume its sources
 //! stillpoint coordinator JOB.toml            a cluster job's coordinator process
 //! stillpoint node JOB.toml --node N          one of its node processes
 //! stillpoint checkpoints list | show ID | verify [ID] | restore ID DIR | gc [--dry-run]
@@ -84,6 +85,24 @@ enum Command {
         #[arg(long)]
         allow_duplicates: bool,
     },
+    /// Pauses the sources of the job running (or next run) in the job's work
+    /// directory: they read nothing until `resume`, while checkpoints go on. The
+    /// pause lasts across restarts until resumed.
+    Pause {
+        /// The job file (default: the built-in word count).
+        job: Option<PathBuf>,
+        /// The work directory, if `run` was given `--data`.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// Resumes the sources of a paused job.
+    Resume {
+        /// The job file (default: the built-in word count).
+        job: Option<PathBuf>,
+        /// The work directory, if `run` was given `--data`.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
     /// Runs the coordinator of a cluster job (`[cluster]` in the job file).
     Coordinator {
         /// The job file.
@@ -147,6 +166,8 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             savepoint_on_stop,
             allow_duplicates,
         } => run(job.as_deref(), data, savepoint_on_stop, allow_duplicates),
+        Command::Pause { job, data } => pause(job.as_deref(), data, true),
+        Command::Resume { job, data } => pause(job.as_deref(), data, false),
         Command::Coordinator {
             job,
             savepoint_on_stop,
@@ -311,6 +332,7 @@ fn run(
         })),
         ..announce(&job, savepoint)?
     };
+    follow_pause_marker(job.config.work_dir.join(PAUSE_MARKER), options.stop.clone());
     let report = stillpoint::run(&job.config, &job.pipeline, options)?;
     println!(
         "done: {} checkpoint(s) this run; committed output in {}",
@@ -319,6 +341,67 @@ fn run(
     );
     print_faults(&job);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The file in a job's work directory that says its sources are paused.
+const PAUSE_MARKER: &str = "PAUSED";
+
+/// `stillpoint pause` / `resume`: creates or removes the pause marker that a run in
+/// that work directory follows.
+fn pause(job: Option<&Path>, data: Option<PathBuf>, paused: bool) -> Result<ExitCode> {
+    let job = load(job, data)?;
+    let work_dir = &job.config.work_dir;
+    let marker = work_dir.join(PAUSE_MARKER);
+    if paused {
+        std::fs::create_dir_all(work_dir)
+            .with_context(|| format!("cannot create {}", work_dir.display()))?;
+        std::fs::write(&marker, b"paused by `stillpoint pause`\n")
+            .with_context(|| format!("cannot write {}", marker.display()))?;
+        println!(
+            "paused: the sources of the job in {} stop reading within a second; checkpoints go on; `stillpoint resume` lets them read again",
+            work_dir.display()
+        );
+    } else {
+        match std::fs::remove_file(&marker) {
+            Ok(()) => println!(
+                "resumed: the sources of the job in {} read again",
+                work_dir.display()
+            ),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                println!("not paused: nothing to resume in {}", work_dir.display());
+            }
+            Err(error) => {
+                return Err(error).with_context(|| format!("cannot remove {}", marker.display()));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Pauses and resumes `stop`'s job as `marker` appears and goes (checked every
+/// 200 ms, from a thread that ends with the process).
+fn follow_pause_marker(marker: PathBuf, stop: StopHandle) {
+    let follow = move || {
+        loop {
+            let paused = marker.exists();
+            if paused != stop.paused() {
+                if paused {
+                    stop.pause();
+                    println!("paused: sources read nothing until `stillpoint resume`");
+                } else {
+                    stop.resume();
+                    println!("resumed");
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    if let Err(error) = std::thread::Builder::new()
+        .name("pause".into())
+        .spawn(follow)
+    {
+        tracing::warn!(%error, "cannot follow the pause marker: pause and resume do nothing");
+    }
 }
 
 /// The job's `[cluster]` section, which the coordinator and node commands need.

@@ -224,6 +224,7 @@ mod tests {
                 max_sync_micros: 300,
                 state_bytes: 10 << 20,
                 uploaded_bytes: 1 << 20,
+                tasks: Vec::new(),
             })
             .collect();
         let svg = svg(&history, "a <store>");

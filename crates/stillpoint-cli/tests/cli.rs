@@ -106,6 +106,13 @@ fn run_then_inspect_the_store() {
             .arg(&svg),
     );
     assert!(stats.contains("duration"), "{stats}");
+    // The newest checkpoint's part per task: 2 sources, 2 counters, 2 sinks.
+    let per_task = stats.split(" per task:").nth(1).unwrap_or_default();
+    let rows = per_task
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count();
+    assert_eq!(rows, 6, "{stats}");
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
     let gc = stdout(
         stillpoint()
@@ -460,4 +467,54 @@ fn the_example_job_files_load_and_run() {
         "{out}"
     );
     assert!(dir.path().join("stillpoint-data/store").is_dir());
+}
+
+/// `stillpoint pause` before a run: the run's sources read nothing while its
+/// checkpoints go on; `stillpoint resume` lets it finish, exactly once.
+#[test]
+fn pause_and_resume_a_running_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_file(dir.path());
+    let paused = stdout(stillpoint().arg("pause").arg(&job));
+    assert!(paused.starts_with("paused:"), "{paused}");
+    let (mut run, mut lines) = spawn_stillpoint(&["run"], &job);
+    let committed = || -> usize {
+        std::fs::read_dir(dir.path().join("data/output/committed"))
+            .map(|entries| {
+                entries
+                    .map(|e| {
+                        std::fs::read_to_string(e.unwrap().path())
+                            .unwrap()
+                            .lines()
+                            .count()
+                    })
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    // Wait for the run to say it is paused, then for 3 and for 6 more checkpoints.
+    let mut checkpoints_seen = |n: usize| {
+        let mut count = 0;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            count += usize::from(line.starts_with("checkpoint "));
+            if count == n {
+                return;
+            }
+        }
+        panic!("the run ended before {n} checkpoints");
+    };
+    checkpoints_seen(3);
+    let before = committed();
+    checkpoints_seen(6);
+    assert_eq!(committed(), before, "output grew while paused");
+    assert!(before < 40_000);
+    let resumed = stdout(stillpoint().arg("resume").arg(&job));
+    assert!(resumed.starts_with("resumed:"), "{resumed}");
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(run.wait().unwrap().success(), "{rest:?}");
+    assert!(rest.iter().any(|l| l == "resumed"), "{rest:?}");
+    assert_eq!(committed(), 40_000, "every word once");
+    let again = stdout(stillpoint().arg("resume").arg(&job));
+    assert!(again.starts_with("not paused"), "{again}");
 }

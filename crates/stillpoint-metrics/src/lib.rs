@@ -13,6 +13,7 @@
 //! metrics.checkpoint_completed(&CheckpointStats {
 //!     checkpoint: 3, kind: "checkpoint".into(), duration_millis: 40,
 //!     max_alignment_micros: 10, max_sync_micros: 90, state_bytes: 4096, uploaded_bytes: 512,
+//!     tasks: Vec::new(),
 //! });
 //! assert!(metrics.render().contains("stillpoint_last_checkpoint_id 3"));
 //!
@@ -64,6 +65,26 @@ pub struct CheckpointStats {
     pub state_bytes: u64,
     /// Bytes uploaded for this checkpoint.
     pub uploaded_bytes: u64,
+    /// Each task's part (empty in stats written before they were kept).
+    #[serde(default)]
+    pub tasks: Vec<TaskCheckpointStats>,
+}
+
+/// One task's part in a completed checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskCheckpointStats {
+    /// The task.
+    pub task: u32,
+    /// From its first barrier to its last (waiting on the others), microseconds.
+    pub alignment_micros: u64,
+    /// The synchronous snapshot (the task's stall), microseconds.
+    pub sync_micros: u64,
+    /// The asynchronous part: writing, checkpointing and uploading, microseconds.
+    pub async_micros: u64,
+    /// Its state's size.
+    pub state_bytes: u64,
+    /// Bytes it uploaded.
+    pub uploaded_bytes: u64,
 }
 
 impl From<&CompletedCheckpoint> for CheckpointStats {
@@ -76,6 +97,18 @@ impl From<&CompletedCheckpoint> for CheckpointStats {
             max_sync_micros: done.max_sync_micros,
             state_bytes: done.state_bytes,
             uploaded_bytes: done.uploaded_bytes,
+            tasks: done
+                .tasks
+                .iter()
+                .map(|(task, report)| TaskCheckpointStats {
+                    task: task.get(),
+                    alignment_micros: report.alignment_micros,
+                    sync_micros: report.sync_micros,
+                    async_micros: report.async_micros,
+                    state_bytes: report.state_bytes,
+                    uploaded_bytes: report.uploaded_bytes,
+                })
+                .collect(),
         }
     }
 }
@@ -105,6 +138,29 @@ pub struct Metrics {
     state_bytes: Gauge,
     uploaded_bytes: Counter,
     restored_from: Gauge,
+    /// Per task, the newest checkpoint's alignment, sync and async seconds.
+    task_times: [Family<TaskLabels, Gauge<f64, AtomicU64>>; 3],
+    /// Per task, what it is doing for checkpoints now.
+    progress: BTreeMap<TaskId, TaskProgress>,
+}
+
+/// What a task is doing for checkpoints right now, as gauges its driver sets.
+#[derive(Clone, Debug, Default)]
+pub struct TaskProgress {
+    /// While aligning: the inputs whose barrier has not arrived (0 otherwise).
+    pub missing_barriers: Gauge,
+    /// Snapshots taken and not yet completed or aborted (exporting, or waiting for
+    /// downstreams and the coordinator).
+    pub snapshots_in_flight: Gauge,
+}
+
+impl TaskProgress {
+    /// Sets both gauges.
+    pub fn set(&self, missing_barriers: usize, snapshots_in_flight: usize) {
+        let whole = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.missing_barriers.set(whole(missing_barriers));
+        self.snapshots_in_flight.set(whole(snapshots_in_flight));
+    }
 }
 
 impl std::fmt::Debug for Metrics {
@@ -140,16 +196,32 @@ impl Metrics {
             "Records each task took in",
             family.clone(),
         );
-        let records = tasks
-            .iter()
-            .map(|task| {
-                let mut labels = vec![("task", task.get().to_string())];
-                if let Some(node) = node {
-                    labels.push(("node", node.get().to_string()));
-                }
-                (*task, family.get_or_create(&labels).clone())
-            })
-            .collect();
+        let missing = Family::<TaskLabels, Gauge>::default();
+        registry.register(
+            "stillpoint_task_missing_barriers",
+            "While the task aligns: inputs whose barrier has not arrived",
+            missing.clone(),
+        );
+        let building = Family::<TaskLabels, Gauge>::default();
+        registry.register(
+            "stillpoint_task_snapshots_in_flight",
+            "Snapshots the task took that are not yet complete or aborted",
+            building.clone(),
+        );
+        let mut records = BTreeMap::new();
+        let mut progress = BTreeMap::new();
+        for task in tasks {
+            let mut labels = vec![("task", task.get().to_string())];
+            if let Some(node) = node {
+                labels.push(("node", node.get().to_string()));
+            }
+            records.insert(*task, family.get_or_create(&labels).clone());
+            let gauges = TaskProgress {
+                missing_barriers: missing.get_or_create(&labels).clone(),
+                snapshots_in_flight: building.get_or_create(&labels).clone(),
+            };
+            progress.insert(*task, gauges);
+        }
         let metrics = Self {
             registry,
             records,
@@ -162,6 +234,8 @@ impl Metrics {
             state_bytes: Gauge::default(),
             uploaded_bytes: Counter::default(),
             restored_from: Gauge::default(),
+            task_times: Default::default(),
+            progress,
         };
         if node.is_some() {
             return metrics;
@@ -208,6 +282,24 @@ impl Metrics {
             "Bytes uploaded to the store by this run's checkpoints",
             metrics.uploaded_bytes.clone(),
         );
+        let names = [
+            ("stillpoint_task_checkpoint_alignment_seconds", "alignment"),
+            (
+                "stillpoint_task_checkpoint_sync_seconds",
+                "synchronous snapshot (stall)",
+            ),
+            (
+                "stillpoint_task_checkpoint_async_seconds",
+                "asynchronous part (write, upload)",
+            ),
+        ];
+        for ((name, what), family) in names.into_iter().zip(&metrics.task_times) {
+            r.register(
+                name,
+                format!("The task's {what} in the newest checkpoint"),
+                family.clone(),
+            );
+        }
         r.register(
             "stillpoint_restored_from_checkpoint",
             "The checkpoint this run restored from (0: none)",
@@ -232,6 +324,19 @@ impl Metrics {
         self.last_alignment.set(seconds(stats.max_alignment_micros));
         self.state_bytes.set(whole(stats.state_bytes));
         self.uploaded_bytes.inc_by(stats.uploaded_bytes);
+        for task in &stats.tasks {
+            let labels = vec![("task", task.task.to_string())];
+            let times = [task.alignment_micros, task.sync_micros, task.async_micros];
+            for (family, micros) in self.task_times.iter().zip(times) {
+                family.get_or_create(&labels).set(seconds(micros));
+            }
+        }
+    }
+
+    /// The checkpoint-progress gauges of `task`.
+    #[must_use]
+    pub fn progress_of(&self, task: TaskId) -> TaskProgress {
+        self.progress.get(&task).cloned().unwrap_or_default()
     }
 
     /// Counts an aborted checkpoint.
@@ -428,7 +533,18 @@ mod tests {
             max_sync_micros: 250,
             state_bytes: 1000,
             uploaded_bytes: 100,
+            tasks: vec![TaskCheckpointStats {
+                task: 2,
+                alignment_micros: 30,
+                sync_micros: 250,
+                async_micros: 1_500,
+                state_bytes: 600,
+                uploaded_bytes: 60,
+            }],
         });
+        let progress = metrics.progress_of(TaskId(1));
+        progress.missing_barriers.set(1);
+        progress.snapshots_in_flight.set(2);
         let runtime = runtime();
         let listen = "127.0.0.1:0".parse().unwrap();
         let server = MetricsServer::start(listen, Arc::clone(&metrics), runtime.handle()).unwrap();
@@ -442,6 +558,9 @@ mod tests {
             "stillpoint_last_checkpoint_duration_seconds 0.12\n",
             "stillpoint_last_checkpoint_stall_seconds 0.00025\n",
             "stillpoint_uploaded_bytes_total 100",
+            "stillpoint_task_checkpoint_async_seconds{task=\"2\"} 0.0015\n",
+            "stillpoint_task_missing_barriers{task=\"1\"} 1\n",
+            "stillpoint_task_snapshots_in_flight{task=\"1\"} 2\n",
             "# TYPE stillpoint_state_bytes gauge",
             "# EOF\n",
         ] {

@@ -47,7 +47,7 @@ pub use rocks::{
 pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
 pub use timers::{TIMER_STATE, TimeDomain, Timer, processing_time};
 pub use typed::{MapState, ValueState};
-pub use work_dir::WorkDir;
+pub use work_dir::{SnapshotDirs, WorkDir};
 
 /// The crate README's example, compiled and run as a doctest so it stays true.
 #[cfg(doctest)]

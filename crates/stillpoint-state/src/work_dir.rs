@@ -4,6 +4,8 @@
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
+use stillpoint_wire::{CheckpointId, TaskId};
+
 use crate::StateError;
 
 /// A process's exclusive hold on a work directory, released when dropped (or when
@@ -79,9 +81,82 @@ impl WorkDir {
     }
 }
 
+/// A task's local snapshots in a work directory: `snapshots/task-<task>/ckpt-<id>`
+/// (the id in 20 digits, so names sort as ids), one RocksDB checkpoint each, kept
+/// until a newer checkpoint completes.
+#[derive(Clone, Debug)]
+pub struct SnapshotDirs {
+    root: PathBuf,
+}
+
+impl SnapshotDirs {
+    /// Task `task`'s snapshots under `work_dir`.
+    #[must_use]
+    pub fn of_task(work_dir: &Path, task: TaskId) -> Self {
+        Self {
+            root: work_dir
+                .join("snapshots")
+                .join(format!("task-{}", task.get())),
+        }
+    }
+
+    /// Where the snapshot of `checkpoint` goes.
+    #[must_use]
+    pub fn dir(&self, checkpoint: CheckpointId) -> PathBuf {
+        self.root.join(format!("ckpt-{:020}", checkpoint.get()))
+    }
+
+    /// Removes the snapshot of `checkpoint` (aborted), if there; best effort.
+    pub fn discard(&self, checkpoint: CheckpointId) {
+        let dir = self.dir(checkpoint);
+        if let Err(error) = std::fs::remove_dir_all(&dir)
+            && error.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::debug!(%error, dir = %dir.display(), "discarding a snapshot");
+        }
+    }
+
+    /// Removes every snapshot older than `checkpoint` (completed: the store holds
+    /// what a restore needs); best effort.
+    pub fn drop_before(&self, checkpoint: CheckpointId) {
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return;
+        };
+        let keep = self.dir(checkpoint);
+        for entry in entries.filter_map(Result::ok) {
+            let path = entry.path();
+            if entry.file_name().to_string_lossy().starts_with("ckpt-") && path < keep {
+                let _removed = std::fs::remove_dir_all(path);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshot_dirs_sort_by_checkpoint_and_older_ones_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let snapshots = SnapshotDirs::of_task(dir.path(), TaskId(3));
+        // 9 and 10 would sort the wrong way round without the padding.
+        for id in [2, 9, 10, 11] {
+            std::fs::create_dir_all(snapshots.dir(CheckpointId(id))).unwrap();
+        }
+        std::fs::write(snapshots.root.join("keep-me"), b"").unwrap();
+        assert!(snapshots.dir(CheckpointId(9)) < snapshots.dir(CheckpointId(10)));
+        snapshots.drop_before(CheckpointId(10));
+        snapshots.discard(CheckpointId(11));
+        snapshots.discard(CheckpointId(12)); // absent: nothing to do
+        let mut left: Vec<String> = std::fs::read_dir(&snapshots.root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [format!("ckpt-{:020}", 10), "keep-me".to_owned()]);
+        assert!(snapshots.root.ends_with("snapshots/task-3"));
+    }
 
     #[test]
     fn a_work_directory_is_held_by_one_process_at_a_time() {

@@ -166,6 +166,9 @@ pub struct CompletedCheckpoint {
     pub max_alignment_micros: u64,
     /// Longest synchronous snapshot of any task, microseconds.
     pub max_sync_micros: u64,
+    /// Each task's report, in task order: its alignment, synchronous and
+    /// asynchronous times and its bytes.
+    pub tasks: Vec<(TaskId, SnapshotReport)>,
 }
 
 /// Something the coordinator's driver must do. Drain with
@@ -602,6 +605,11 @@ impl Coordinator {
             self.actions
                 .push_back(CoordinatorAction::Send(complete.into()));
         }
+        let tasks: Vec<(TaskId, SnapshotReport)> = pending
+            .reports
+            .iter()
+            .map(|(task, (_, report))| (*task, report.clone()))
+            .collect();
         let reports = pending.reports.values().map(|(_, r)| r);
         let completed = CompletedCheckpoint {
             checkpoint,
@@ -615,6 +623,7 @@ impl Coordinator {
                 .max()
                 .unwrap_or(0),
             max_sync_micros: reports.map(|r| r.sync_micros).max().unwrap_or(0),
+            tasks,
         };
         tracing::info!(%checkpoint, duration = ?completed.duration, "checkpoint complete");
         self.actions

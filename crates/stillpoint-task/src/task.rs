@@ -440,6 +440,16 @@ impl TaskMachine {
         self.alignment.as_ref().map(|a| (a.checkpoint, &a.arrived))
     }
 
+    /// While aligning: how many upstreams' barriers have not arrived (0 otherwise).
+    #[must_use]
+    pub fn missing_barriers(&self) -> usize {
+        self.alignment.as_ref().map_or(0, |a| {
+            (self.config.upstreams.iter())
+                .filter(|u| !a.arrived.contains(u))
+                .count()
+        })
+    }
+
     /// The last answer each upstream gave the barrier monitor, for diagnostics.
     #[must_use]
     pub fn retrieve_answers(&self) -> Option<&BTreeMap<TaskId, RetrieveAnswer>> {
@@ -1019,6 +1029,16 @@ impl TaskMachine {
                 .filter(|u| !alignment.arrived.contains(u))
                 .copied()
                 .collect();
+            // What a stuck checkpoint looks like from here: who is missing, and what
+            // they answered the last time they were asked.
+            tracing::warn!(
+                task = %self.config.task,
+                %checkpoint,
+                aligning_for = ?now.saturating_since(alignment.started),
+                missing = ?missing,
+                answers = ?alignment.answers,
+                "aligning longer than barrier_wait: asking the missing upstreams for their barrier"
+            );
             for upstream in missing {
                 // Make sure the input we are waiting on can deliver the barrier.
                 self.open(upstream);

@@ -15,11 +15,15 @@
 //!   (restored rescaled to 7 counters), the shortest interval of
 //!   1000, 500, 250, 100, 50 ms at which every checkpoint commits before the next
 //!   trigger and throughput stays ≥ 0.95 of checkpoints off.
+//! - `engine.windowed_count_vs_plain_ckpt_1s`: an event-time windowed count (1 s
+//!   tumbling windows over event times 1 ms apart, up to 100 ms out of order) ÷ the
+//!   plain keyed count of the same words, both checkpointing every second, same
+//!   sources, sink and parallelism (2 → 3 → 3).
 //!
 //! Without `--bench` (how `cargo test` runs bench targets) it is a smoke run at tiny
 //! sizes that checks every figure is produced; `--quick` (`cargo xtask bench --quick`)
 //! uses smaller inputs than the full run. `STILLPOINT_BENCH_ENGINE_WORDS` overrides the
-//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10` runs a subset.
+//! words per source; `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10,windows` runs a subset.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -33,8 +37,13 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use stillpoint::{CheckpointStats, JobConfig, RunOptions};
-use stillpoint_connectors::{WordCount, WordInput};
+use stillpoint::{
+    CheckpointStats, Dataflow, JobConfig, Operator, Partitioning, RunOptions, Source,
+};
+use stillpoint_connectors::{
+    CountAggregate, GeneratedWords, KeyedCount, TransactionalFileSink, WindowOperator, WindowSpec,
+    WordCount, WordInput,
+};
 
 // What the `stillpoint` binary runs on (see docs/performance.md: glibc's malloc stalls
 // a task for a long time after a large frozen map is freed).
@@ -493,7 +502,7 @@ fn main() {
     let sizes = Sizes::of(mode);
     let dir = tempfile::tempdir().unwrap();
     let scratch = dir.path().join("run");
-    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10` runs a subset (profiling).
+    // `STILLPOINT_BENCH_ENGINE_ONLY=p1,p2,peer,p3,durations,p10,windows` runs a subset.
     let only = std::env::var("STILLPOINT_BENCH_ENGINE_ONLY").unwrap_or_default();
     let wanted = |name: &str| only.is_empty() || only.split(',').any(|n| n == name);
     if wanted("p1") {
@@ -517,4 +526,67 @@ fn main() {
     if wanted("durations") {
         durations(&scratch, &sizes);
     }
+    if wanted("windows") {
+        windowed(&scratch, &sizes);
+    }
+}
+
+/// The windowed count and the plain count, alternating, each the median of
+/// `repeats` runs.
+fn windowed(dir: &Path, sizes: &Sizes) {
+    let words = sizes.words;
+    let vocabulary = sizes.vocabulary;
+    let flow = |windows: bool, out: PathBuf| {
+        Dataflow::source("words", 2, move |index| {
+            let source = GeneratedWords::new(42, index, words, vocabulary);
+            Ok(Box::new(if windows {
+                source.with_event_times(Duration::from_millis(1), Duration::from_millis(100))
+            } else {
+                source
+            }) as Box<dyn Source>)
+        })
+        .operator("count", 3, Partitioning::Hash, move |_| {
+            Ok(if windows {
+                let spec = WindowSpec::tumbling(Duration::from_secs(1))?;
+                Box::new(WindowOperator::new(spec, CountAggregate)) as Box<dyn Operator>
+            } else {
+                Box::new(KeyedCount)
+            })
+        })
+        .sink(
+            "publish",
+            3,
+            Partitioning::Forward,
+            TransactionalFileSink::factory(out),
+        )
+    };
+    let rate = |windows: bool| {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+        let mut config = JobConfig::new(dir.join("work"));
+        config.checkpoint_interval = sizes.interval;
+        let started = Instant::now();
+        stillpoint::run(
+            &config,
+            &flow(windows, dir.join("out")),
+            RunOptions::default(),
+        )
+        .unwrap();
+        (2 * words) as f64 / started.elapsed().as_secs_f64()
+    };
+    let (mut windowed, mut plain) = (Vec::new(), Vec::new());
+    for _ in 0..sizes.repeats {
+        plain.push(rate(false));
+        windowed.push(rate(true));
+    }
+    let (windowed, plain) = (median(windowed), median(plain));
+    figure(&format!(
+        "engine.windowed_count_vs_plain_ckpt_1s = {:.3} ratio (2 → 3 → 3 tasks, {} words, checkpoint every {} ms: windowed {:.0} records/s, plain count {:.0} records/s)",
+        windowed / plain,
+        2 * words,
+        sizes.interval.as_millis(),
+        windowed,
+        plain
+    ));
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use stillpoint_backup::{LocalRestore, Store};
-use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, StateOwner};
+use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, SnapshotDirs, StateOwner};
 use stillpoint_task::{
     EventClock, RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine, WatermarkGenerator,
 };
@@ -156,9 +156,10 @@ impl Builder<'_> {
                 Role::Sink(sink)
             }
         };
-        let task_config = TaskConfig::new(self.config.stream, task, self.node, level)
+        let mut task_config = TaskConfig::new(self.config.stream, task, self.node, level)
             .upstreams(upstreams)
             .downstreams(downstreams.clone());
+        task_config.barrier_wait = self.config.barrier_wait;
         let machine = TaskMachine::new(task_config, restored)?;
         let (export_tx, export_rx) = crossbeam_channel::unbounded::<ExportJob>();
         let (exported_tx, exported_rx) = crossbeam_channel::unbounded::<ExportOutcome>();
@@ -194,11 +195,11 @@ impl Builder<'_> {
             links: wiring.links,
             downstreams,
             partitioner,
-            snapshots: (self.config.work_dir.join("snapshots"))
-                .join(format!("task-{}", task.get())),
+            snapshots: SnapshotDirs::of_task(&self.config.work_dir, task),
             epoch: self.epoch,
             batch: self.config.batch_records.max(1),
             records: self.metrics.records_of(task),
+            gauges: self.metrics.progress_of(task),
             replay,
             progress: Progress::default(),
             watermarks: match &role {

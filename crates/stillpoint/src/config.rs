@@ -28,6 +28,10 @@ pub struct JobConfig {
     pub checkpoint_interval: Duration,
     /// A checkpoint not complete after this is aborted (default 60 s).
     pub checkpoint_timeout: Duration,
+    /// How long a task may align on a checkpoint (some inputs' barriers in, others
+    /// not) before it asks the missing upstreams where their barrier is and logs a
+    /// warning naming them and their answers; again every such period (default 10 s).
+    pub barrier_wait: Duration,
     /// Consecutive failed checkpoints tolerated before the job fails (default 3).
     pub tolerable_failures: u32,
     /// What retention keeps.
@@ -68,6 +72,7 @@ impl JobConfig {
             store_options: StoreOptions::default(),
             checkpoint_interval: Duration::from_secs(1),
             checkpoint_timeout: Duration::from_secs(60),
+            barrier_wait: Duration::from_secs(10),
             tolerable_failures: 3,
             retention: Retention::default(),
             max_parallelism: 128,
@@ -100,6 +105,7 @@ pub struct StopHandle(Arc<StopFlags>);
 struct StopFlags {
     stop: AtomicBool,
     savepoint: AtomicBool,
+    paused: AtomicBool,
 }
 
 impl StopHandle {
@@ -131,6 +137,24 @@ impl StopHandle {
     #[must_use]
     pub fn savepoint_requested(&self) -> bool {
         self.0.savepoint.load(Ordering::SeqCst)
+    }
+
+    /// Pauses the job's sources: they read nothing until [`StopHandle::resume`],
+    /// while records already read flow on and checkpoints go on (barriers still
+    /// flow), so a paused job can take a savepoint or stop. Idempotent.
+    pub fn pause(&self) {
+        self.0.paused.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets paused sources read again (idempotent).
+    pub fn resume(&self) {
+        self.0.paused.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the sources are asked to pause.
+    #[must_use]
+    pub fn paused(&self) -> bool {
+        self.0.paused.load(Ordering::SeqCst)
     }
 }
 

@@ -54,6 +54,11 @@ struct CoordinatorDriver<'a, E> {
 struct Seen {
     /// Sources that reached their end, at these offsets.
     finished: BTreeMap<TaskId, SourceOffset>,
+    /// Once every source has ended: the newest checkpoint triggered before. Only a
+    /// later one covers the end of input: an earlier one's barrier may have left a
+    /// source at its last offset but before its `EndOfInput`, so before the
+    /// operators' end-of-input output.
+    ended_after: Option<CheckpointId>,
     /// The source offsets each committed, not yet completed checkpoint covers.
     offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
     /// Once a stop was requested: the newest checkpoint already triggered then; the
@@ -238,6 +243,9 @@ impl<E> CoordinatorDriver<'_, E> {
                 }
                 Ok(CoordinatorInput::SourceFinished { task, offset }) => {
                     self.seen.finished.insert(task, offset);
+                    if self.all_sources_finished() && self.seen.ended_after.is_none() {
+                        self.seen.ended_after = Some(self.newest_triggered());
+                    }
                 }
                 Ok(CoordinatorInput::SourceAtBound { task }) => {
                     if self.seen.replaying.remove(&task) && self.seen.replaying.is_empty() {
@@ -267,13 +275,9 @@ impl<E> CoordinatorDriver<'_, E> {
                     return Err(EngineError::Stopped("every task".to_owned()));
                 }
             }
+            self.signals.set_paused(self.stop.paused());
             if self.seen.stop_after.is_none() && self.stop.requested() {
-                let newest = self
-                    .coordinator
-                    .in_flight()
-                    .max()
-                    .or(self.coordinator.last_completed())
-                    .unwrap_or(CheckpointId(0));
+                let newest = self.newest_triggered();
                 self.seen.stop_after = Some(newest);
                 if self.stop.savepoint_requested() {
                     tracing::info!(after = %newest, "stop requested: a savepoint, then stop");
@@ -298,6 +302,7 @@ impl<E> CoordinatorDriver<'_, E> {
             // Every source has ended: the checkpoint covering the end of the input
             // comes now, not at the next interval.
             if self.all_sources_finished() && self.coordinator.in_flight().next().is_none() {
+                // (Also after one in flight at the end completed: it did not count.)
                 self.coordinator.request_checkpoint(self.now());
                 if self.apply()? {
                     return Ok(());
@@ -318,6 +323,12 @@ impl<E> CoordinatorDriver<'_, E> {
         if let Err(error) = self.coordinator.request_savepoint(self.now()) {
             tracing::debug!(%error, "savepoint not requested");
         }
+    }
+
+    /// The newest checkpoint triggered so far (in flight or completed).
+    fn newest_triggered(&self) -> CheckpointId {
+        let in_flight = self.coordinator.in_flight().max();
+        (in_flight.or(self.coordinator.last_completed())).unwrap_or(CheckpointId(0))
     }
 
     /// Whether every source has reported the end of its input.
@@ -392,8 +403,10 @@ impl<E> CoordinatorDriver<'_, E> {
                             .stop_after
                             .is_some_and(|after| completed.checkpoint > after);
                     let covered = self.seen.offsets.get(&completed.checkpoint);
-                    done |= self.all_sources_finished()
-                        && covered.is_some_and(|offsets| *offsets == self.seen.finished);
+                    let after_end =
+                        (self.seen.ended_after).is_some_and(|a| completed.checkpoint > a);
+                    done |=
+                        after_end && covered.is_some_and(|offsets| *offsets == self.seen.finished);
                     self.seen.offsets.retain(|id, _| *id > completed.checkpoint);
                 }
                 CoordinatorAction::Aborted { checkpoint, reason } => {

@@ -3,14 +3,15 @@
 //! synchronous snapshot, handing the export to a second thread, committing sinks.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
 use stillpoint_backup::Store;
-use stillpoint_state::{CachedState, KeyGroupRouter, SnapshotJob, TimeDomain, processing_time};
+use stillpoint_state::{
+    CachedState, KeyGroupRouter, SnapshotDirs, SnapshotJob, TimeDomain, processing_time,
+};
 use stillpoint_task::{
-    EventClock, EventTimeUpdate, TaskAction, TaskMachine, Time, WatermarkGenerator,
+    EventClock, EventTimeUpdate, TaskAction, TaskMachine, TaskStatus, Time, WatermarkGenerator,
 };
 use stillpoint_wire::{
     CheckpointId, Data, EndOfInput, Message, NodeId, SnapshotReport, SourceOffset, StreamId,
@@ -143,7 +144,7 @@ pub(crate) struct TaskDriver {
     pub(crate) links: Links,
     pub(crate) downstreams: Vec<TaskId>,
     pub(crate) partitioner: Partitioner,
-    pub(crate) snapshots: PathBuf,
+    pub(crate) snapshots: SnapshotDirs,
     pub(crate) epoch: Instant,
     pub(crate) batch: usize,
     /// Records this task took in (read or received), for the metrics.
@@ -154,6 +155,8 @@ pub(crate) struct TaskDriver {
     /// Event time over the inputs, and a source's watermark generator.
     pub(crate) clock: EventClock,
     pub(crate) watermarks: Option<WatermarkGenerator>,
+    /// What it is doing for checkpoints, for the metrics endpoint.
+    pub(crate) gauges: stillpoint_metrics::TaskProgress,
 }
 
 /// What a task's driver keeps track of as it goes.
@@ -222,6 +225,8 @@ impl TaskDriver {
             self.drain_control()?;
             self.drain_exports()?;
             self.fire_timers(TimeDomain::ProcessingTime, processing_time())?;
+            let building = self.machine.building().count();
+            self.gauges.set(self.machine.missing_barriers(), building);
             let now = self.now();
             if self.machine.poll_timeout().is_some_and(|t| t <= now) {
                 self.machine.handle_timeout(now);
@@ -289,6 +294,15 @@ impl TaskDriver {
     /// only there (saying once that it got there), and then waits for the checkpoint
     /// taken there to complete.
     fn source_step(&mut self) -> Result<(), EngineError> {
+        let paused = self.links.signals.paused();
+        if paused != (self.machine.status() == TaskStatus::Paused) {
+            tracing::info!(task = %self.task, paused, "source paused or resumed");
+            if paused {
+                self.machine.handle_pause(self.now());
+            } else {
+                self.machine.handle_resume(self.now());
+            }
+        }
         let Role::Source(source) = &mut self.role else {
             return Ok(());
         };
@@ -321,7 +335,9 @@ impl TaskDriver {
             self.machine.handle_source_barrier(self.now(), checkpoint);
             return self.apply_actions();
         }
-        if replaying && bound.is_none() {
+        // Paused: barriers go on (above), reading does not; not idle either, or
+        // event time could pass records this source is still to read.
+        if paused || (replaying && bound.is_none()) {
             return self.idle(Duration::from_millis(5));
         }
         let mut records = Vec::with_capacity(self.batch);
@@ -628,22 +644,12 @@ impl TaskDriver {
                         tracing::info!(task = %self.task, %checkpoint, "the checkpoint at the end of the published output completed; reading on");
                         self.replay = ReplayRole::None;
                     }
-                    self.drop_snapshots_before(checkpoint);
+                    self.snapshots.drop_before(checkpoint);
                 }
-                TaskAction::Discard { checkpoint } => {
-                    let dir = self.snapshot_dir(checkpoint);
-                    if let Err(error) = std::fs::remove_dir_all(&dir) {
-                        tracing::debug!(%error, dir = %dir.display(), "discarding a snapshot");
-                    }
-                }
+                TaskAction::Discard { checkpoint } => self.snapshots.discard(checkpoint),
             }
         }
         Ok(())
-    }
-
-    fn snapshot_dir(&self, checkpoint: CheckpointId) -> PathBuf {
-        self.snapshots
-            .join(format!("ckpt-{:020}", checkpoint.get()))
     }
 
     /// The synchronous part: freeze the state (O(1)), record the source offset or
@@ -678,7 +684,7 @@ impl TaskDriver {
         }
         let job = self
             .state
-            .snapshot(checkpoint, self.snapshot_dir(checkpoint));
+            .snapshot(checkpoint, self.snapshots.dir(checkpoint));
         let sync_micros = micros(started.elapsed());
         self.exports
             .send(ExportJob {
@@ -691,18 +697,5 @@ impl TaskDriver {
                 persist,
             })
             .map_err(|_| EngineError::Stopped(format!("the export thread of {}", self.task)))
-    }
-
-    fn drop_snapshots_before(&self, checkpoint: CheckpointId) {
-        let Ok(entries) = std::fs::read_dir(&self.snapshots) else {
-            return;
-        };
-        let keep = format!("ckpt-{:020}", checkpoint.get());
-        for entry in entries.filter_map(Result::ok) {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with("ckpt-") && name < keep {
-                let _removed = std::fs::remove_dir_all(entry.path());
-            }
-        }
     }
 }

@@ -51,6 +51,9 @@ pub enum EngineError {
     /// A network connection failed (cluster mode).
     #[error("network: {0}")]
     Net(String),
+    /// The metrics endpoint could not listen where asked.
+    #[error("{0}")]
+    Metrics(#[from] stillpoint_metrics::ListenError),
     /// The store has committed checkpoints but none of them can be restored. Starting
     /// from scratch instead would publish the sinks' output a second time, so the job
     /// refuses to start.
@@ -128,11 +131,5 @@ impl EngineError {
 impl From<stillpoint_wire::EnvelopeError> for EngineError {
     fn from(error: stillpoint_wire::EnvelopeError) -> Self {
         Self::Net(error.to_string())
-    }
-}
-
-impl From<stillpoint_metrics::ListenError> for EngineError {
-    fn from(error: stillpoint_metrics::ListenError) -> Self {
-        Self::io("listen on", error.address.to_string(), &error.source)
     }
 }

@@ -57,7 +57,9 @@ pub use stillpoint_backup::KeptLease;
 /// The local snapshots a restart restores from ([`Engine::fetch_restore`]).
 pub use stillpoint_backup::LocalRestore;
 /// Checkpoint statistics and the job's metrics, with their endpoint.
-pub use stillpoint_metrics::{CheckpointStats, ListenError, Metrics, MetricsServer};
+pub use stillpoint_metrics::{
+    CheckpointStats, ListenError, Metrics, MetricsServer, TaskCheckpointStats, TaskProgress,
+};
 /// A process's hold on its work directory ([`Engine::lock_work_dir`]).
 pub use stillpoint_state::WorkDir;
 /// The keyed state an [`Operator`] works on, and the timers it keeps there.

@@ -57,9 +57,19 @@ pub enum CoordinatorInput<E = std::convert::Infallible> {
 pub struct Signals {
     stop: AtomicBool,
     crash: AtomicBool,
+    pause: AtomicBool,
 }
 
 impl Signals {
+    /// Pauses or resumes the sources of this process ([`crate::StopHandle::pause`]).
+    pub fn set_paused(&self, paused: bool) {
+        self.pause.store(paused, Ordering::SeqCst);
+    }
+
+    pub(crate) fn paused(&self) -> bool {
+        self.pause.load(Ordering::SeqCst)
+    }
+
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
     }
