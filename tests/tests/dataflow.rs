@@ -75,14 +75,7 @@ fn flow(dir: &Path, words: u64, counters: u32, witnesses: u32) -> Dataflow {
 
 /// How often each word occurs in the whole input.
 fn totals(words: u64) -> BTreeMap<String, u64> {
-    let mut totals = BTreeMap::new();
-    for index in 0..2 {
-        let source = GeneratedWords::new(SEED, index, words, VOCABULARY);
-        for position in 0..words {
-            *totals.entry(source.word(position)).or_default() += 1;
-        }
-    }
-    totals
+    support::word_totals(SEED, 2, words, VOCABULARY)
 }
 
 /// The published lines: word → count → (seen values, one per witness that published).
@@ -428,11 +421,12 @@ fn a_fallback_is_refused_for_a_sink_that_cannot_say_what_it_published() {
         second.fell_back_from.first().map(|f| f.checkpoint.get()),
         Some(newest)
     );
-    // At least once: every count is there; the replayed stretch is there twice.
+    // At least once: every count is there; the replayed stretch is there twice
+    // (it is empty when the newest checkpoint only covered the end of the input).
     let published = read_committed(&out).unwrap();
     let expected: u64 = totals(words).values().sum();
     assert!(
-        published.len() as u64 > expected,
+        published.len() as u64 >= expected,
         "{} of {expected}",
         published.len()
     );

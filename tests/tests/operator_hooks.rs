@@ -27,7 +27,7 @@ use stillpoint::{
 };
 use stillpoint_connectors::{GeneratedWords, TransactionalFileSink, read_committed};
 use stillpoint_wire::CheckpointId;
-use support::{config, crash_loop};
+use support::{config, crash_loop, crash_once_checkpointed, word_totals};
 
 const SEED: u64 = 21;
 const VOCABULARY: u32 = 200;
@@ -150,23 +150,11 @@ fn flow(dir: &Path, words: u64, counters: u32, hooks: &Arc<Hooks>) -> Dataflow {
     )
 }
 
-/// How often each word occurs in the whole input.
-fn totals(words: u64) -> BTreeMap<String, u64> {
-    let mut totals = BTreeMap::new();
-    for index in 0..2 {
-        let source = GeneratedWords::new(SEED, index, words, VOCABULARY);
-        for position in 0..words {
-            *totals.entry(source.word(position)).or_default() += 1;
-        }
-    }
-    totals
-}
-
 /// Exactly once: each word's published totals rise strictly (a total published twice
 /// was republished; one never published was lost at a barrier) and end at the word's
 /// count; the summaries add up to every record, one per operator task at most.
 fn check(dir: &Path, words: u64, counters: u32) {
-    let totals = totals(words);
+    let totals = word_totals(SEED, 2, words, VOCABULARY);
     let mut published: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut summaries = Vec::new();
     for (key, value) in read_committed(&dir.join("out")).unwrap() {
@@ -248,20 +236,7 @@ fn a_rescaled_restore_keeps_the_totals_and_the_summary() {
     let config = config(dir.path());
     // Crash the 2-task job once it has checkpointed, then finish it with 4 tasks.
     let first = flow(dir.path(), words, 2, &hooks);
-    let mut crashed = false;
-    for crash_ms in [150, 300, 600, 1_200] {
-        match run_word_count(&config, &first, Some(Duration::from_millis(crash_ms))) {
-            Err(EngineError::Crashed(_)) => {
-                if !stillpoint::checkpoint_history(&config).unwrap().is_empty() {
-                    crashed = true;
-                    break;
-                }
-            }
-            Ok(_) => panic!("the job finished within {crash_ms} ms: make it longer"),
-            Err(error) => panic!("{error}"),
-        }
-    }
-    assert!(crashed, "no checkpoint before the crash");
+    crash_once_checkpointed(&config, &first, &[150, 300, 600, 1_200]);
     let report = run_word_count(&config, &flow(dir.path(), words, 4, &hooks), None).unwrap();
     assert!(report.restored_from.is_some());
     // Totals are per word: the strictly rising check holds across the rescale; the

@@ -26,7 +26,7 @@ use stillpoint_connectors::{
     read_committed,
 };
 use stillpoint_wire::SourceOffset;
-use support::{CrashLoop, config, crash_loop};
+use support::{CrashLoop, config, crash_loop, crash_once_checkpointed};
 
 const SEED: u64 = 31;
 const VOCABULARY: u32 = 40;
@@ -166,21 +166,8 @@ fn a_rescale_from_three_to_five_tasks_keeps_windows_and_timers() {
     let config = config(dir.path());
     // Crash the 3-task job once it has checkpointed (open windows and their timers
     // are in that checkpoint), then finish it with 5 tasks.
-    let mut checkpointed = false;
-    for crash_ms in [200, 400, 800, 1_600] {
-        let first = flow(dir.path(), words, sliding(), 3);
-        match run_word_count(&config, &first, Some(Duration::from_millis(crash_ms))) {
-            Err(EngineError::Crashed(_)) => {
-                if !stillpoint::checkpoint_history(&config).unwrap().is_empty() {
-                    checkpointed = true;
-                    break;
-                }
-            }
-            Ok(_) => panic!("the job finished within {crash_ms} ms: make it longer"),
-            Err(error) => panic!("{error}"),
-        }
-    }
-    assert!(checkpointed, "no checkpoint before the crash");
+    let first = flow(dir.path(), words, sliding(), 3);
+    crash_once_checkpointed(&config, &first, &[200, 400, 800, 1_600]);
     let report = run_word_count(&config, &flow(dir.path(), words, sliding(), 5), None).unwrap();
     assert!(report.restored_from.is_some(), "{report:?}");
     assert_windows(

@@ -8,6 +8,18 @@ use stillpoint::{CachedState, EngineError, KeyedState, Operator, Record};
 #[derive(Debug, Default)]
 pub struct KeyedCount;
 
+/// A count kept in state `state` (8 bytes, big-endian); anything else is an error
+/// naming the state.
+pub(crate) fn count_in(state: &str, bytes: &[u8]) -> Result<u64, EngineError> {
+    let count: [u8; 8] = bytes.try_into().map_err(|_| {
+        EngineError::Invalid(format!(
+            "a count in state `{state}` is {} bytes, not 8",
+            bytes.len()
+        ))
+    })?;
+    Ok(u64::from_be_bytes(count))
+}
+
 /// The column family of [`KeyedCount`].
 pub const COUNTS: &str = "counts";
 
@@ -20,12 +32,7 @@ impl Operator for KeyedCount {
     ) -> Result<(), EngineError> {
         let count = match state.get_cached(COUNTS, &record.key, &[])? {
             None => 0,
-            Some(bytes) => u64::from_be_bytes(bytes.as_slice().try_into().map_err(|_| {
-                EngineError::Invalid(format!(
-                    "a count in state `{COUNTS}` is {} bytes, not 8",
-                    bytes.len()
-                ))
-            })?),
+            Some(bytes) => count_in(COUNTS, &bytes)?,
         } + 1;
         state.put(COUNTS, &record.key, &[], &count.to_be_bytes())?;
         out.push(Record::new(record.key, count.to_string()));

@@ -22,14 +22,7 @@ pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
             words_per_source,
             vocabulary,
             seed,
-        } => {
-            for index in 0..job.sources {
-                let source = GeneratedWords::new(*seed, index, *words_per_source, *vocabulary);
-                for position in 0..*words_per_source {
-                    *totals.entry(source.word(position)).or_default() += 1;
-                }
-            }
-        }
+        } => totals = word_totals(*seed, job.sources, *words_per_source, *vocabulary),
         WordInput::Files { paths } => {
             for path in paths {
                 for word in std::fs::read_to_string(path).unwrap().split_whitespace() {
@@ -74,11 +67,68 @@ pub(crate) fn missing_from(output: &[(String, String)], expected: &[(String, Str
     missing
 }
 
+/// Lines the sinks committed for checkpoint `checkpoint`.
+pub(crate) fn committed_lines_of(job: &WordCount, checkpoint: u64) -> usize {
+    let prefix = format!("{checkpoint:020}-task-");
+    std::fs::read_dir(job.output.join("committed"))
+        .map(|entries| {
+            entries
+                .map(|e| e.unwrap().path())
+                .filter(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_string_lossy()
+                        .starts_with(&prefix)
+                })
+                .map(|p| std::fs::read_to_string(p).unwrap().lines().count())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 /// The committed output, sorted.
 pub(crate) fn committed_output(job: &WordCount) -> Vec<(String, String)> {
     let mut out = read_committed(&job.output).unwrap();
     out.sort();
     out
+}
+
+/// How often each word occurs in `sources` generated sources of `words` words.
+pub(crate) fn word_totals(
+    seed: u64,
+    sources: u32,
+    words: u64,
+    vocabulary: u32,
+) -> BTreeMap<String, u64> {
+    let mut totals = BTreeMap::new();
+    for index in 0..sources {
+        let source = GeneratedWords::new(seed, index, words, vocabulary);
+        for position in 0..words {
+            *totals.entry(source.word(position)).or_default() += 1;
+        }
+    }
+    totals
+}
+
+/// Runs `job`, crashing it at each of `moments` in turn until a crash came after a
+/// checkpoint was committed (so a restore has something to start from).
+pub(crate) fn crash_once_checkpointed(
+    config: &JobConfig,
+    job: &impl stillpoint::ToDataflow,
+    moments: &[u64],
+) {
+    for &crash_ms in moments {
+        match stillpoint::run_word_count(config, job, Some(Duration::from_millis(crash_ms))) {
+            Err(EngineError::Crashed(_)) => {
+                if !checkpoint_history(config).unwrap().is_empty() {
+                    return;
+                }
+            }
+            Ok(_) => panic!("the job finished within {crash_ms} ms: make it longer"),
+            Err(error) => panic!("{error}"),
+        }
+    }
+    panic!("no checkpoint before any crash at {moments:?} ms");
 }
 
 /// The end-to-end tests' job settings: work under `dir/work`, a checkpoint every
