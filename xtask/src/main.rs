@@ -84,9 +84,41 @@ fn run(args: Vec<String>) -> Result<()> {
 /// `./stillpoint-data`), built in the dev profile so it shares the test build. Extra
 /// arguments go to `stillpoint run` (a job file, `--data DIR`).
 fn main_job(args: &[String]) -> Result<()> {
-    let mut command = vec!["run", "--quiet", "--package", "stillpoint-cli", "--", "run"];
-    command.extend(args.iter().map(String::as_str));
-    cargo(&command)
+    let built = util::target_dir()?.join("debug/stillpoint").is_file();
+    let plan = MainJob::plan(built, args);
+    eprintln!("xtask: run: {}", plan.notice);
+    cargo(&plan.build)?;
+    cargo(&plan.run)
+}
+
+/// What `cargo xtask run` says and runs: the build first, on its own and with cargo's
+/// progress shown (a first build compiles RocksDB from C++ and would otherwise be
+/// silent for many minutes), then the quiet run of the built binary.
+struct MainJob<'a> {
+    notice: &'static str,
+    build: Vec<&'a str>,
+    run: Vec<&'a str>,
+}
+
+impl<'a> MainJob<'a> {
+    fn plan(built: bool, args: &'a [String]) -> Self {
+        let notice = if built {
+            "building stillpoint (debug profile)"
+        } else {
+            "first build of stillpoint — cargo compiles RocksDB from C++ source, \
+             about 25 minutes on 2 cores (seconds once built); its progress follows"
+        };
+        let build = vec![
+            "build",
+            "--package",
+            "stillpoint-cli",
+            "--bin",
+            "stillpoint",
+        ];
+        let mut run = vec!["run", "--quiet", "--package", "stillpoint-cli", "--", "run"];
+        run.extend(args.iter().map(String::as_str));
+        Self { notice, build, run }
+    }
 }
 
 /// The protocol simulators of `stillpoint-task` over many seeds — the checkpoint
@@ -197,4 +229,25 @@ fn lint() -> Result<()> {
         "-D",
         "warnings",
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MainJob;
+
+    #[test]
+    fn the_first_run_says_it_builds_rocksdb_and_shows_cargos_progress() {
+        let args = vec!["job.toml".to_owned()];
+        let first = MainJob::plan(false, &args);
+        assert!(first.notice.contains("RocksDB") && first.notice.contains("25 minutes"));
+        // The build is its own step and not `--quiet`: cargo's progress is what the
+        // user sees for those minutes; only the run of the built binary is quiet.
+        assert_eq!(first.build.first(), Some(&"build"));
+        assert!(!first.build.contains(&"--quiet"), "{:?}", first.build);
+        assert!(first.run.contains(&"--quiet"));
+        assert_eq!(first.run.last(), Some(&"job.toml"));
+        let later = MainJob::plan(true, &args);
+        assert!(!later.notice.contains("RocksDB"), "{}", later.notice);
+        assert_eq!(later.build, first.build);
+    }
 }

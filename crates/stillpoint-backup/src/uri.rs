@@ -1,5 +1,11 @@
-//! Store URIs (`file://`, `s3://`, `memory://`) and the options a store opens with.
+//! Store URIs and the options a store opens with.
+//!
+//! `file://`, `s3://` and `memory://` are parsed here (the file store gets its
+//! durable-write layer, S3 hermetic credentials); every other scheme is handed to
+//! OpenDAL's own URI handling, for the services this build was compiled with (one
+//! cargo feature each, see [`SERVICES`]).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -31,13 +37,110 @@ pub enum StoreUri {
         /// The shared store's name, if any.
         name: Option<String>,
     },
+    /// Any other OpenDAL service compiled into this build (`gcs://BUCKET/PREFIX`,
+    /// `azblob://CONTAINER/PREFIX`, `sftp://HOST:PORT/DIR`, …), configured by OpenDAL
+    /// from the URI, its query options and [`StoreOptions::service_options`]; or an
+    /// operator a library user built ([`crate::Store::from_operator`]).
+    Service {
+        /// OpenDAL's scheme.
+        scheme: String,
+        /// The URI without its query: what logs and errors show.
+        location: String,
+        /// The URI's query options (never credentials: those are refused here and
+        /// go in [`StoreOptions::service_options`] or the service's environment).
+        options: BTreeMap<String, String>,
+    },
+}
+
+/// A store service this crate can be built with: its URI scheme, the cargo feature
+/// that compiles it, and whether this build has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Service {
+    /// The URI scheme (OpenDAL's name of the service).
+    pub scheme: &'static str,
+    /// The cargo feature of `stillpoint-backup` (and of `stillpoint-cli`) that adds it.
+    pub feature: &'static str,
+    /// Whether this build includes it.
+    pub built: bool,
+}
+
+impl Service {
+    const fn of(scheme: &'static str, feature: &'static str, built: bool) -> Self {
+        Self {
+            scheme,
+            feature,
+            built,
+        }
+    }
+}
+
+/// Every service the store can be built with, besides `file://` and `memory://`
+/// (always built). Each needs the store's two primitives: atomic object writes and
+/// create-if-absent; a service without create-if-absent opens read-only (restore,
+/// verify, list), see docs/store-layout.md.
+pub const SERVICES: [Service; 8] = [
+    Service::of("s3", "s3", cfg!(feature = "s3")),
+    Service::of("gcs", "gcs", cfg!(feature = "gcs")),
+    Service::of("azblob", "azblob", cfg!(feature = "azblob")),
+    Service::of("oss", "oss", cfg!(feature = "oss")),
+    Service::of("cos", "cos", cfg!(feature = "cos")),
+    Service::of("webdav", "webdav", cfg!(feature = "webdav")),
+    Service::of("sftp", "sftp", cfg!(feature = "sftp")),
+    Service::of("hdfs-native", "hdfs", cfg!(feature = "hdfs")),
+];
+
+/// Whether an option's name says it holds a secret (it must not sit in a URI, which
+/// gets logged and shown).
+pub(crate) fn secret_option(key: &str) -> bool {
+    [
+        "secret",
+        "password",
+        "token",
+        "credential",
+        "account_key",
+        "sas",
+        "key",
+    ]
+    .iter()
+    .any(|part| key.contains(part))
+}
+
+/// `uri` as an error may show it: a user name and password in its authority, and the
+/// value of any option that looks like a credential, replaced by `***` (the URI is
+/// refused for holding them, and the refusal must not repeat them).
+fn without_secrets(uri: &str) -> String {
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return uri.to_owned();
+    };
+    let (location, query) = rest
+        .split_once('?')
+        .map_or((rest, None), |(l, q)| (l, Some(q)));
+    let (authority, path) = location
+        .find('/')
+        .map_or((location, ""), |at| location.split_at(at));
+    let authority = authority
+        .rsplit_once('@')
+        .map_or_else(|| authority.to_owned(), |(_, host)| format!("***@{host}"));
+    let mut shown = format!("{scheme}://{authority}{path}");
+    if let Some(query) = query {
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((key, _)) if secret_option(&key.to_ascii_lowercase()) => format!("{key}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        shown.push('?');
+        shown.push_str(&pairs.join("&"));
+    }
+    shown
 }
 
 impl StoreUri {
     /// Parses a store URI.
     pub fn parse(uri: &str) -> Result<Self, StoreError> {
         let invalid = |reason: &str| StoreError::InvalidUri {
-            uri: uri.to_owned(),
+            uri: without_secrets(uri),
             reason: reason.to_owned(),
         };
         let Some((scheme, rest)) = uri.split_once("://") else {
@@ -74,6 +177,9 @@ impl StoreUri {
                     name: (!name.is_empty()).then(|| name.to_owned()),
                 })
             }
+            "s3" if !cfg!(feature = "s3") => Err(invalid(
+                "this build has no s3 service: build with `--features s3`",
+            )),
             "s3" => {
                 let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
                 let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
@@ -121,10 +227,60 @@ impl StoreUri {
                     region,
                 })
             }
-            other => Err(invalid(&format!(
-                "unknown scheme {other:?}; use file://, s3:// or memory://"
-            ))),
+            other => Self::parse_service(uri, other, rest),
         }
+    }
+
+    fn parse_service(uri: &str, scheme: &str, rest: &str) -> Result<Self, StoreError> {
+        let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let shown = format!("{scheme}://{location}");
+        let invalid = |reason: &str| StoreError::InvalidUri {
+            uri: without_secrets(&shown),
+            reason: reason.to_owned(),
+        };
+        let Some(service) = SERVICES.iter().find(|s| s.scheme == scheme) else {
+            let known: Vec<&str> = ["file", "memory"]
+                .into_iter()
+                .chain(SERVICES.iter().map(|s| s.scheme))
+                .collect();
+            return Err(invalid(&format!(
+                "unknown scheme {scheme:?}; known: {}",
+                known.join(", ")
+            )));
+        };
+        if !service.built {
+            return Err(invalid(&format!(
+                "this build has no {scheme} service: build with `--features {}`",
+                service.feature
+            )));
+        }
+        let authority = location.split('/').next().unwrap_or_default();
+        if authority.contains('@') {
+            return Err(invalid(
+                "user names and passwords do not belong in a URI (it gets logged); pass them as service options",
+            ));
+        }
+        let mut options = BTreeMap::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let key = key.to_ascii_lowercase();
+            if secret_option(&key) {
+                return Err(invalid(&format!(
+                    "{key:?} looks like a credential, and credentials do not belong in a URI (it gets logged); pass it as a service option"
+                )));
+            }
+            if options.insert(key.clone(), value.to_owned()).is_some() {
+                return Err(invalid(&format!("option {key:?} is given twice")));
+            }
+        }
+        // OpenDAL's own parser has the last word on the rest (it is run again, with
+        // the service options, when the store opens).
+        opendal::OperatorUri::new(uri, Vec::new()).map_err(|e| invalid(&e.to_string()))?;
+        Ok(Self::Service {
+            scheme: scheme.to_owned(),
+            location: shown,
+            options,
+        })
     }
 }
 
@@ -145,6 +301,7 @@ impl std::fmt::Display for StoreUri {
                 Ok(())
             }
             Self::Memory { name } => write!(f, "memory://{}", name.as_deref().unwrap_or("")),
+            Self::Service { location, .. } => f.write_str(location),
         }
     }
 }
@@ -181,6 +338,7 @@ impl std::fmt::Debug for S3Credentials {
 }
 
 impl S3Credentials {
+    #[cfg_attr(not(feature = "s3"), allow(dead_code))]
     pub(crate) fn from_env() -> Option<Self> {
         let non_empty = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         Some(Self {
@@ -212,11 +370,61 @@ impl Default for RetryPolicy {
     }
 }
 
+/// Options handed to an OpenDAL service as they are (its config keys: `credential`,
+/// `account_key`, `user`, `key`, …). Values may be secrets: `Debug` shows only the
+/// keys, and they are wiped from memory on drop.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ServiceOptions(BTreeMap<String, String>);
+
+impl ServiceOptions {
+    /// Sets one option.
+    #[must_use]
+    pub fn with(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.0.insert(key.into().to_ascii_lowercase(), value.into());
+        self
+    }
+
+    /// The options, for the service's configuration.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (String, String)> + '_ {
+        self.0.iter().map(|(k, v)| (k.clone(), v.clone()))
+    }
+
+    /// Whether no option is set.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl FromIterator<(String, String)> for ServiceOptions {
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
+        iter.into_iter()
+            .fold(Self::default(), |options, (k, v)| options.with(k, v))
+    }
+}
+
+impl std::fmt::Debug for ServiceOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+impl Drop for ServiceOptions {
+    fn drop(&mut self) {
+        for value in self.0.values_mut() {
+            zeroize::Zeroize::zeroize(value);
+        }
+    }
+}
+
 /// How a store is opened. Every field has a documented default.
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
     /// S3 credentials; default: the AWS environment variables.
     pub s3_credentials: Option<S3Credentials>,
+    /// Configuration of an OpenDAL service other than file, memory and S3 (merged
+    /// over the URI's query options); default none.
+    pub service_options: ServiceOptions,
     /// Encrypt every object (but the lease) at rest; default: none, or the key in
     /// [`crate::KEY_ENV`] when [`StoreOptions::from_env`] is used.
     pub encryption: Option<EncryptionKey>,
@@ -240,6 +448,7 @@ impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             s3_credentials: None,
+            service_options: ServiceOptions::default(),
             encryption: None,
             parallelism: 8,
             part_size: 8 * 1024 * 1024,
@@ -307,6 +516,34 @@ mod tests {
     }
 
     #[test]
+    fn a_uri_refused_for_its_credentials_is_not_repeated_with_them() {
+        for (uri, shown) in [
+            (
+                "sftp://backup:hunter2@127.0.0.1:22/x",
+                "sftp://***@127.0.0.1:22/x",
+            ),
+            (
+                "s3://b/p?region=eu&secret_access_key=hunter2",
+                "s3://b/p?region=eu&secret_access_key=***",
+            ),
+            (
+                "azblob://c/p?Account_Key=hunter2&endpoint=http://h",
+                "azblob://c/p?Account_Key=***&endpoint=http://h",
+            ),
+        ] {
+            let error = StoreUri::parse(uri).unwrap_err();
+            let StoreError::InvalidUri { uri: in_error, .. } = &error else {
+                panic!("{uri}: {error:?}");
+            };
+            if cfg!(feature = "azblob") || !uri.starts_with("azblob") {
+                assert_eq!(in_error, shown);
+            }
+            assert!(!error.to_string().contains("hunter2"), "{error}");
+            assert!(!format!("{error:?}").contains("hunter2"), "{error:?}");
+        }
+    }
+
+    #[test]
     fn uris_parse_or_say_what_is_wrong() {
         check(
             "file:///var/lib/sp",
@@ -340,7 +577,27 @@ mod tests {
             }),
         );
         check("/tmp/x", Err("expected SCHEME://"));
-        check("ftp://x", Err("unknown scheme \"ftp\""));
+        check(
+            "ftp://x",
+            Err("unknown scheme \"ftp\"; known: file, memory, s3, gcs"),
+        );
+        check(
+            "webdav:///backups?endpoint=http://127.0.0.1:7333",
+            Ok(StoreUri::Service {
+                scheme: "webdav".into(),
+                location: "webdav:///backups".into(),
+                options: [("endpoint".to_owned(), "http://127.0.0.1:7333".to_owned())].into(),
+            }),
+        );
+        check("webdav://u:pw@host/x", Err("do not belong in a URI"));
+        check(
+            "webdav://host/x?password=pw",
+            Err("looks like a credential"),
+        );
+        check("webdav://host/x?a=1&a=2", Err("given twice"));
+        if !cfg!(feature = "gcs") {
+            check("gcs://bucket/x", Err("build with `--features gcs`"));
+        }
         check("file://", Err("needs a directory"));
         check("memory://x/y", Err("at most a name"));
         check("s3:///prefix", Err("needs a bucket"));

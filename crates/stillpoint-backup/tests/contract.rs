@@ -32,3 +32,42 @@ mod memory {
     macro_rules! memory_cases { ($($name:ident),* $(,)?) => { on_backend!(Memory: $($name),*); } }
     contract_cases!(memory_cases);
 }
+
+/// A store on an operator the caller built: the store's layers go on top, and the
+/// contract's first case holds on it.
+#[test]
+fn a_store_opens_on_an_operator_the_caller_built() {
+    use std::sync::Arc;
+
+    use stillpoint_backup::{ManualClock, Store, StoreOptions, VerifyDepth};
+    use stillpoint_wire::{CheckpointId, CheckpointKind};
+
+    let op = opendal::Operator::new(opendal::services::Memory::default()).unwrap();
+    let store = Store::from_operator(op, StoreOptions::default()).unwrap();
+    assert!(store.can_write());
+    assert!(
+        store.uri().to_string().starts_with("memory://"),
+        "{}",
+        store.uri()
+    );
+    let env = crate::support::Env::new(crate::support::Backend::Memory);
+    crate::support::runtime().block_on(async {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let lease = crate::support::job_lease(&store, "test", &clock).await;
+        crate::support::checkpoint_with(
+            &store,
+            &lease,
+            env.path(),
+            CheckpointId(1),
+            CheckpointKind::Checkpoint,
+            &[("000001.sst", crate::support::bytes(1, 10_000))],
+            None,
+        )
+        .await;
+        let report = store
+            .verify(CheckpointId(1), VerifyDepth::Content, &())
+            .await
+            .unwrap();
+        assert!(report.is_intact(), "{:?}", report.problems);
+    });
+}

@@ -15,9 +15,14 @@ mod cases;
 
 use std::time::{Duration, Instant};
 
-use stillpoint_backup::{RetryPolicy, S3Credentials, Store, StoreError, StoreOptions};
-use support::s3::{ACCESS_KEY, BUCKET, ENDPOINT, S3Server};
-use support::{Backend, Env, runtime};
+use std::sync::Arc;
+
+use stillpoint_backup::{
+    Lease, ManualClock, RetryPolicy, S3Credentials, Store, StoreError, StoreOptions, VerifyDepth,
+};
+use stillpoint_wire::{CheckpointId, CheckpointKind};
+use support::s3::{ACCESS_KEY, BUCKET, ENDPOINT, S3Server, WEBDAV_ENDPOINT};
+use support::{Backend, Env, bytes, checkpoint_with, job_lease, quick_lease, runtime};
 
 async fn wait_until_ready(store: &Store) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -57,6 +62,9 @@ fn the_store_contract_holds_on_a_real_s3_server() {
     ));
 
     contract_cases!(run_on_s3);
+    runtime().block_on(a_checkpoint_written_over_s3_restores_over_webdav(
+        &Env::new(Backend::S3),
+    ));
 
     // A wrong secret is a permanent error that does not show the secret.
     runtime().block_on(async {
@@ -100,4 +108,68 @@ fn an_s3_store_without_credentials_says_where_it_looked() {
         "{error}"
     );
     assert!(error.to_string().contains("AWS_ACCESS_KEY_ID"), "{error}");
+}
+
+/// WebDAV cannot create an object only if it is absent, so a WebDAV store is
+/// read-only: a checkpoint written through the server's S3 face is listed, verified
+/// and restored through its WebDAV face, and a writer there is refused saying why.
+async fn a_checkpoint_written_over_s3_restores_over_webdav(env: &Env) {
+    let store = env.store("dav", StoreOptions::default());
+    let clock = Arc::new(ManualClock::new(1_000));
+    let lease = job_lease(&store, "test", &clock).await;
+    let files = vec![
+        ("000001.sst", bytes(1, 100_000)),
+        ("MANIFEST-000002", bytes(2, 700)),
+    ];
+    let (manifest, _) = checkpoint_with(
+        &store,
+        &lease,
+        env.path(),
+        CheckpointId(1),
+        CheckpointKind::Checkpoint,
+        &files,
+        None,
+    )
+    .await;
+
+    let dav = Store::open(
+        &format!(
+            "webdav:///buckets/{BUCKET}/{}/dav?endpoint={WEBDAV_ENDPOINT}",
+            env.namespace
+        ),
+        StoreOptions::default(),
+    )
+    .unwrap();
+    assert!(!dav.can_write());
+    let latest = dav
+        .latest()
+        .await
+        .unwrap()
+        .expect("the checkpoint is listed");
+    assert_eq!(latest.checkpoint, CheckpointId(1));
+    let report = dav
+        .verify(CheckpointId(1), VerifyDepth::Content, &())
+        .await
+        .unwrap();
+    assert!(report.is_intact(), "{:?}", report.problems);
+    let snapshot = dav.task_manifest(&latest.tasks[0]).await.unwrap();
+    assert_eq!(snapshot, manifest);
+    let target = env.path().join("from-webdav");
+    let downloaded = dav
+        .download_snapshot(&snapshot, &target, &())
+        .await
+        .unwrap();
+    assert_eq!(downloaded.files_downloaded, 2);
+    for (name, content) in &files {
+        assert_eq!(&std::fs::read(target.join(name)).unwrap(), content);
+    }
+
+    let refused = Lease::acquire_job(&dav, quick_lease("writer"), Arc::clone(&clock) as _)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StoreError::ReadOnly { .. })
+            && refused.to_string().contains("only if it is absent"),
+        "{refused}"
+    );
 }

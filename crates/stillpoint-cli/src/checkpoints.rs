@@ -47,7 +47,8 @@ enum Action {
         /// The checkpoint id.
         id: Option<u64>,
     },
-    /// Downloads a checkpoint, verified, into DIR (resumable: rerun to finish).
+    /// Downloads a checkpoint, verified, into DIR (resumable: rerun to finish). Needs
+    /// only read access to the store: the progress journal lives beside DIR.
     Restore {
         /// The checkpoint id.
         id: u64,
@@ -338,13 +339,21 @@ async fn restore(target: &Target, id: CheckpointId, dir: PathBuf, force: bool) -
         force,
     )
     .await?;
+    let download = &report.download;
     println!(
-        "restored checkpoint {} into {}: {} files downloaded ({}), {} reused",
+        "restored checkpoint {} into {}: {} files downloaded ({}), {} reused, {} kept from the interrupted run; {:.1} s{}",
         id.get(),
         dir.display(),
-        report.files_downloaded,
-        bytes(report.bytes_downloaded),
-        report.files_reused
+        download.files_downloaded,
+        bytes(download.bytes_downloaded),
+        download.files_reused,
+        download.files_trusted,
+        report.elapsed.as_secs_f64(),
+        if report.resumed {
+            " in all, across interrupted runs"
+        } else {
+            ""
+        }
     );
     Ok(ExitCode::SUCCESS)
 }

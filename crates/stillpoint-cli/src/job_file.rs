@@ -16,8 +16,10 @@
 //! allow_duplicates = false          # restore even past output the sinks already published
 //!
 //! [store]
-//! uri = "file://./stillpoint-data/store"   # or s3://BUCKET/PREFIX?endpoint=…&region=…, memory://
+//! uri = "file://./stillpoint-data/store"   # or s3://BUCKET/PREFIX?endpoint=…&region=…, memory://,
+//!                                          # gcs://, azblob://, sftp://HOST:PORT/DIR, … (README)
 //! # access_key_id / secret_access_key: S3 credentials (default: the AWS_* variables)
+//! # options = { user = "backup", key = "/etc/stillpoint/id_ed25519" }   # other services' settings
 //! # encryption_key: 64 hex digits (default: STILLPOINT_ENCRYPTION_KEY, else none)
 //! parallelism = 8                   # files transferred at once
 //! part_size_mib = 8
@@ -277,6 +279,8 @@ struct StoreSection {
     access_key_id: Option<String>,
     secret_access_key: Option<String>,
     encryption_key: Option<String>,
+    /// OpenDAL settings of services other than file, memory and S3 (may be secrets).
+    options: std::collections::BTreeMap<String, String>,
     parallelism: usize,
     part_size_mib: usize,
     #[serde(with = "humantime_serde")]
@@ -295,6 +299,7 @@ impl Default for StoreSection {
             access_key_id: None,
             secret_access_key: None,
             encryption_key: None,
+            options: std::collections::BTreeMap::new(),
             parallelism: defaults.parallelism,
             part_size_mib: defaults.part_size >> 20,
             timeout: defaults.timeout,
@@ -449,6 +454,42 @@ impl JobFile {
         if cluster.as_ref().is_some_and(|c| c.nodes.is_empty()) {
             return Err(invalid("cluster.nodes", "must list at least one node"));
         }
+        // Two listeners on one address: the second process would fail to start, or
+        // (with SO_REUSEPORT elsewhere) two nodes would share one's connections.
+        let listeners = metrics
+            .listen
+            .iter()
+            .map(|a| ("metrics.listen", *a))
+            .chain(cluster.iter().flat_map(|c| {
+                std::iter::once(("cluster.coordinator", c.coordinator))
+                    .chain(c.nodes.iter().map(|a| ("cluster.nodes", *a)))
+            }))
+            .chain(metrics.nodes.iter().map(|a| ("metrics.nodes", *a)));
+        let mut seen: Vec<(&'static str, SocketAddr)> = Vec::new();
+        for (field, address) in listeners {
+            if let Some((first, _)) = seen
+                .iter()
+                .find(|(_, a)| *a == address && address.port() != 0)
+            {
+                return Err(invalid(
+                    field,
+                    &format!(
+                        "lists {address}, which `{first}` already uses (every process listens on its own address)"
+                    ),
+                ));
+            }
+            seen.push((field, address));
+        }
+        if retention.grace < job.checkpoint_timeout {
+            return Err(invalid(
+                "retention.grace",
+                &format!(
+                    "is {}, shorter than job.checkpoint_timeout ({}): files of a checkpoint still uploading could be collected",
+                    humantime_serde::re::humantime::format_duration(retention.grace),
+                    humantime_serde::re::humantime::format_duration(job.checkpoint_timeout)
+                ),
+            ));
+        }
         let secret = match cluster.as_ref().map(|c| (&c.secret_file, &c.secret)) {
             None => None,
             Some((Some(path), None)) => Some(
@@ -586,6 +627,7 @@ impl JobFile {
         config.store = store.uri;
         config.store_options = StoreOptions {
             s3_credentials,
+            service_options: store.options.into_iter().collect(),
             encryption,
             parallelism: store.parallelism,
             part_size: store.part_size_mib << 20,
@@ -646,13 +688,21 @@ impl JobFile {
             node_metrics: metrics.nodes,
             secret,
         });
+        let output = pipeline
+            .output
+            .unwrap_or_else(|| job.work_dir.join("output"));
+        if let Some(reason) = output_clash(
+            &output,
+            &job.work_dir,
+            config.store.as_deref().unwrap_or_default(),
+        ) {
+            return Err(invalid("pipeline.output", &reason));
+        }
         let pipeline = WordCount {
             sources: pipeline.sources,
             aggregators: pipeline.aggregators,
             input,
-            output: pipeline
-                .output
-                .unwrap_or_else(|| job.work_dir.join("output")),
+            output,
         };
         Ok(Job {
             config,
@@ -660,6 +710,69 @@ impl JobFile {
             cluster,
         })
     }
+}
+
+/// What the engine keeps in its work directory (beside the sinks' default `output`).
+const ENGINE_ENTRIES: [&str; 5] = ["db", "snapshots", "restore", "store", "node-"];
+
+/// Why `output` cannot be the sinks' directory, if it cannot: it is the work directory
+/// or holds it, lies inside something the engine keeps there (live state, snapshots,
+/// restores, a node's directory, the default store) or inside a `file://` store —
+/// places the engine deletes and rewrites, or whose files it would take for its own.
+fn output_clash(output: &Path, work_dir: &Path, store: &str) -> Option<String> {
+    let output = lexical_absolute(output);
+    let work_dir = lexical_absolute(work_dir);
+    if work_dir.starts_with(&output) {
+        return Some(format!(
+            "{} is (or holds) the work directory {}; give the sinks a directory of their own",
+            output.display(),
+            work_dir.display()
+        ));
+    }
+    if let Ok(inside) = output.strip_prefix(&work_dir)
+        && let Some(first) = inside.components().next()
+        && let Some(entry) = ENGINE_ENTRIES.iter().find(|entry| {
+            let name = first.as_os_str().to_string_lossy();
+            if entry.ends_with('-') {
+                name.starts_with(*entry)
+            } else {
+                name == **entry
+            }
+        })
+    {
+        return Some(format!(
+            "{} lies inside the engine's {entry}… in the work directory, which it deletes and rewrites",
+            output.display()
+        ));
+    }
+    if let Some(root) = store.strip_prefix("file://") {
+        let root = lexical_absolute(Path::new(root));
+        if output.starts_with(&root) || root.starts_with(&output) {
+            return Some(format!(
+                "{} overlaps the checkpoint store {}",
+                output.display(),
+                root.display()
+            ));
+        }
+    }
+    None
+}
+
+/// `path` made absolute against the working directory, with `.` and `..` resolved
+/// lexically (the directories need not exist yet).
+fn lexical_absolute(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut out = PathBuf::new();
+    for component in absolute.components() {
+        match component {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -802,6 +915,34 @@ input = { kind = "files", paths = ["in.txt"] }
                 "store.encryption_key",
             ),
             ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
+            (
+                "[retention]\ngrace = \"0s\"\n",
+                "`retention.grace` is 0s, shorter than job.checkpoint_timeout (1m)",
+            ),
+            (
+                "[job]\nwork_dir = \"/tmp/w\"\n[pipeline]\noutput = \"/tmp/w/db/out\"\n",
+                "`pipeline.output` /tmp/w/db/out lies inside the engine's db",
+            ),
+            (
+                "[job]\nwork_dir = \"/tmp/w/x\"\n[pipeline]\noutput = \"/tmp/w\"\n",
+                "is (or holds) the work directory",
+            ),
+            (
+                "[job]\nwork_dir = \"/tmp/w\"\n[pipeline]\noutput = \"/tmp/w/./node-2/../snapshots\"\n",
+                "inside the engine's snapshots",
+            ),
+            (
+                "[store]\nuri = \"file:///tmp/s\"\n[pipeline]\noutput = \"/tmp/s/out\"\n",
+                "overlaps the checkpoint store /tmp/s",
+            ),
+            (
+                "[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\", \"127.0.0.1:2\"]\nsecret = \"sixteen bytes or more\"\n",
+                "`cluster.nodes` lists 127.0.0.1:2, which `cluster.nodes` already uses",
+            ),
+            (
+                "[metrics]\nlisten = \"127.0.0.1:1\"\n[cluster]\ncoordinator = \"127.0.0.1:1\"\nnodes = [\"127.0.0.1:2\"]\nsecret = \"sixteen bytes or more\"\n",
+                "`cluster.coordinator` lists 127.0.0.1:1, which `metrics.listen` already uses",
+            ),
             ("[job]\nbatch_records = 0\n", "job.batch_records"),
             ("[job]\nbarrier_wait = \"0s\"\n", "job.barrier_wait"),
             ("[job]\nchannel_batches = 100000\n", "job.channel_batches"),

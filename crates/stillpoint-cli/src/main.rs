@@ -119,7 +119,7 @@ enum Command {
         /// The job file.
         job: PathBuf,
         /// Which node (1-based, as listed in `[cluster] nodes`).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         node: u32,
     },
     /// Inspects and manages a checkpoint store.

@@ -238,6 +238,56 @@ fn bad_input_is_one_line_naming_what_is_wrong() {
     let store = format!("file://{}", dir.path().join("empty").display());
     let error = one_line_error(stillpoint().args(["checkpoints", "show", "7", "--store", &store]));
     assert!(error.contains('7'), "{error}");
+
+    // Node numbers start at 1.
+    let refused = stillpoint()
+        .args(["node", "job.toml", "--node", "0"])
+        .output()
+        .unwrap();
+    let error = String::from_utf8(refused.stderr).unwrap();
+    assert!(
+        !refused.status.success()
+            && error.contains("'0' for '--node")
+            && error.contains("not in 1.."),
+        "{error}"
+    );
+
+    // A metrics address another process holds: refused naming the field, before the
+    // job touches its work directory or store.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let work = dir.path().join("data");
+    let job = write_job(
+        dir.path(),
+        "metrics.toml",
+        &format!(
+            "[metrics]\nlisten = \"{}\"\n[pipeline]\ninput = {{ kind = \"generated\", words_per_source = 100 }}\n",
+            taken.local_addr().unwrap()
+        ),
+    );
+    let error = one_line_error(stillpoint().arg("run").arg(&job));
+    assert!(
+        error.contains("`metrics.listen`")
+            && error.contains(&taken.local_addr().unwrap().to_string()),
+        "{error}"
+    );
+    assert!(
+        !work.join("store/checkpoints").exists(),
+        "nothing was checkpointed"
+    );
+
+    // A store on a service this build lacks, and credentials in a URI.
+    let error = one_line_error(stillpoint().args(["checkpoints", "list", "--store", "gcs://b/p"]));
+    assert!(error.contains("--features gcs"), "{error}");
+    let error = one_line_error(stillpoint().args([
+        "checkpoints",
+        "list",
+        "--store",
+        "sftp://backup:hunter2@127.0.0.1:1/x",
+    ]));
+    assert!(
+        error.contains("do not belong in a URI") && !error.contains("hunter2"),
+        "{error}"
+    );
 }
 
 #[test]

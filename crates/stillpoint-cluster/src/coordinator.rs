@@ -67,6 +67,11 @@ pub fn run_coordinator(
 ) -> Result<JobReport, EngineError> {
     cluster.check()?;
     let mut engine = Engine::open(config, job)?;
+    // The coordinator reports checkpoints; each node its own tasks' records. Listening
+    // first: a taken address fails the run before the store is touched.
+    let metrics = Arc::new(Metrics::new(&[]));
+    let _served =
+        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let lease = engine.lease()?;
     // A coordinator restarted after it told the nodes to exit: the job is done.
     if let Some(id) = finished_at(&engine)? {
@@ -80,10 +85,6 @@ pub fn run_coordinator(
         engine.release(lease)?;
         return Ok(report);
     }
-    // The coordinator reports checkpoints; each node its own tasks' records.
-    let metrics = Arc::new(Metrics::new(&[]));
-    let _served =
-        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let generation = Arc::new(AtomicU64::new(0));
     let (inputs_tx, inputs_rx) = crossbeam_channel::unbounded::<Input>();
     let listener = TcpListener::bind(cluster.coordinator)

@@ -115,7 +115,7 @@ impl From<&CompletedCheckpoint> for CheckpointStats {
 
 /// The endpoint could not listen where it was asked to.
 #[derive(Debug, thiserror::Error)]
-#[error("the metrics endpoint cannot listen on {address}: {source}")]
+#[error("the metrics endpoint (`metrics.listen`) cannot listen on {address}: {source}")]
 pub struct ListenError {
     /// The address asked for.
     pub address: SocketAddr,

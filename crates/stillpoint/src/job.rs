@@ -49,6 +49,11 @@ pub fn run(
 ) -> Result<JobReport, EngineError> {
     let mut engine = Engine::open(config, job)?;
     let work_dir = engine.lock_work_dir()?;
+    let tasks = engine.tasks();
+    let metrics = Arc::new(Metrics::new(&tasks));
+    // Listening first: a taken address fails the run before the store is touched.
+    let _served =
+        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let lease = engine.lease()?;
     let mut report = JobReport::default();
     let (restore, choice) = restore_point(&engine, &mut report)?;
@@ -57,13 +62,9 @@ pub fn run(
     if let Some(tell) = options.on_start.take() {
         tell(&report);
     }
-    let tasks = engine.tasks();
-    let metrics = Arc::new(Metrics::new(&tasks));
     if let Some(id) = report.restored_from {
         metrics.restored(id.get());
     }
-    let _served =
-        engine.serve_metrics(config.metrics_listen, &metrics, options.on_metrics.take())?;
     let (transport, inputs) = InProcess::new();
     let start = TaskStart {
         work_dir: &work_dir,

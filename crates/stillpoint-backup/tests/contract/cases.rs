@@ -13,6 +13,7 @@ use stillpoint_backup::{
     Clock, EncryptionKey, FaultConfig, FaultOperations, Journal, JournalConfig, Lease, LeaseConfig,
     LeaseRecord, ListingStatus, ManualClock, Resumed, Retention, RetryPolicy, Store, StoreError,
     StoreOptions, SystemClock, TransferEvent, VerifyDepth, gc, lease_holder, restore_checkpoint,
+    restore_journal, restore_journal_dir,
 };
 use stillpoint_wire::{CheckpointId, CheckpointKind, NodeId, TaskId};
 
@@ -1720,12 +1721,13 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
     }
     // A third file is on disk but unrecorded and damaged: it must be fetched.
     std::fs::write(task_dir.join(&files[2].0), b"half a file").unwrap();
+    // Its journal lies beside the target (the store is only read), and it had run 5 s.
     let earlier: Journal<u32, String> = Journal::start(
-        &store,
+        &restore_journal(&target).unwrap(),
         "restore/00000000000000000003",
         config(60_000),
         Arc::new(SystemClock),
-        Duration::ZERO,
+        Duration::from_secs(5),
     )
     .await
     .unwrap();
@@ -1746,8 +1748,12 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
     )
     .await
     .unwrap();
-    assert_eq!(report.files_reused, 2);
-    assert_eq!(report.files_downloaded, 4);
+    // The recorded files are kept on their record (not hashed again), the rest fetched.
+    assert!(report.resumed);
+    assert_eq!(report.download.files_trusted, 2);
+    assert_eq!(report.download.files_reused, 0);
+    assert_eq!(report.download.files_downloaded, 4);
+    assert!(report.elapsed >= Duration::from_secs(5), "{report:?}");
     assert!(!target.join("_checkpoint.json.partial").exists());
     for (name, content) in &files {
         assert_eq!(
@@ -1757,8 +1763,37 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
         );
     }
     assert!(target.join("_checkpoint.json").is_file());
-    // Done: the journal is gone.
+    // Done: the journal is gone, and the store never held one.
+    assert!(!restore_journal_dir(&target).exists());
     assert!(raw_list(&store, "journal/").await.is_empty());
+
+    // Two restores of one checkpoint into two directories run at once.
+    let (left, right) = (dir.path().join("left"), dir.path().join("right"));
+    let (a, b) = tokio::join!(
+        restore_checkpoint(
+            &store,
+            CheckpointId(3),
+            &left,
+            &(),
+            config(60_000),
+            Arc::new(SystemClock),
+            false
+        ),
+        restore_checkpoint(
+            &store,
+            CheckpointId(3),
+            &right,
+            &(),
+            config(60_000),
+            Arc::new(SystemClock),
+            false
+        ),
+    );
+    for (report, target) in [(a.unwrap(), &left), (b.unwrap(), &right)] {
+        assert!(!report.resumed);
+        assert_eq!(report.download.files_downloaded, files.len());
+        assert!(target.join("_checkpoint.json").is_file());
+    }
 
     // A checkpoint that does not exist is a typed error.
     assert!(matches!(
@@ -1809,7 +1844,10 @@ pub async fn an_interrupted_restore_resumes_keeping_what_is_already_restored(env
         )
         .await
         .unwrap();
-        assert_eq!(report.files_downloaded + report.files_reused, files.len());
+        assert_eq!(
+            report.download.files_downloaded + report.download.files_reused,
+            files.len()
+        );
         assert!(target.join("_checkpoint.json").is_file());
     }
 }

@@ -11,6 +11,7 @@
 )]
 
 pub mod s3;
+pub mod sftp;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -29,7 +30,14 @@ pub enum Backend {
     File,
     Memory,
     S3,
+    /// OpenDAL's SFTP service against the server of [`sftp::SftpServer`], whose
+    /// client key and data directory are given in [`SFTP`].
+    Sftp,
 }
+
+/// The running SFTP server's login user, client key and data directory.
+pub static SFTP: std::sync::OnceLock<(String, std::path::PathBuf, std::path::PathBuf)> =
+    std::sync::OnceLock::new();
 
 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -38,7 +46,7 @@ static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0)
 pub struct Env {
     pub backend: Backend,
     pub dir: tempfile::TempDir,
-    namespace: String,
+    pub namespace: String,
 }
 
 impl Env {
@@ -81,6 +89,24 @@ impl Env {
                         self.namespace,
                         s3::ENDPOINT
                     ),
+                    options,
+                )
+                .unwrap()
+            }
+            Backend::Sftp => {
+                let (user, key, data) = SFTP.get().expect("the SFTP server runs");
+                let options = StoreOptions {
+                    service_options: options
+                        .service_options
+                        .clone()
+                        .with("user", user)
+                        .with("key", key.to_string_lossy())
+                        .with("known_hosts_strategy", "accept"),
+                    ..options
+                };
+                let root = data.join(&self.namespace).join(name);
+                Store::open(
+                    &format!("sftp://127.0.0.1:{}{}", sftp::PORT, root.display()),
                     options,
                 )
                 .unwrap()

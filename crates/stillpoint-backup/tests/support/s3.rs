@@ -1,5 +1,5 @@
 //! A real S3-compatible server for tests: SeaweedFS (`weed mini`) on loopback, with
-//! signature checking on. `cargo xtask setup` installs it; its binary is found through
+//! signature checking on, and its WebDAV face over the same files. `cargo xtask setup` installs it; its binary is found through
 //! `STILLPOINT_WEED` or the default install location.
 
 use std::net::TcpStream;
@@ -11,6 +11,9 @@ pub const ACCESS_KEY: &str = "testkey";
 pub const SECRET_KEY: &str = "testsecret";
 pub const BUCKET: &str = "stillpoint-test";
 pub const ENDPOINT: &str = "http://127.0.0.1:8333";
+/// The same server's WebDAV endpoint; bucket `B` is directory `/buckets/B` there.
+#[allow(dead_code)] // only the store's own S3 tests read it back over WebDAV
+pub const WEBDAV_ENDPOINT: &str = "http://127.0.0.1:7333";
 
 /// A running server; stopped (and its data removed) on drop.
 pub struct S3Server {
@@ -53,7 +56,8 @@ impl S3Server {
             .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
             .arg(format!("-s3.config={}", config.display()))
             .args([
-                "-webdav=false",
+                "-webdav=true",
+                "-webdav.port=7333",
                 "-admin.ui=false",
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
@@ -66,7 +70,9 @@ impl S3Server {
             .expect("SeaweedFS starts");
         let server = Self { child, _data: data };
         let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect("127.0.0.1:8333").is_err() {
+        while TcpStream::connect("127.0.0.1:8333").is_err()
+            || TcpStream::connect("127.0.0.1:7333").is_err()
+        {
             assert!(
                 Instant::now() < deadline,
                 "SeaweedFS did not open its S3 port within 60 s"
