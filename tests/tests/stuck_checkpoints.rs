@@ -102,19 +102,38 @@ fn a_stalled_alignment_shows_in_the_metrics_and_the_statistics() {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             let text = get(address)?;
-            if let Some(missing) = nonzero(&text, "stillpoint_task_missing_barriers") {
-                return Some((missing, text));
+            // A counter (task 3 or 4) waiting for the stalled source's barrier (task
+            // 1's) with the other source's in: which input it waits for is shown.
+            for task in [3, 4] {
+                let awaiting = |upstream: u32, value: u32| {
+                    format!(
+                        "stillpoint_task_awaiting_barrier{{task=\"{task}\",upstream=\"{upstream}\"}} {value}\n"
+                    )
+                };
+                let missing = format!("stillpoint_task_missing_barriers{{task=\"{task}\"}} 1\n");
+                if text.contains(&awaiting(1, 1))
+                    && text.contains(&awaiting(2, 0))
+                    && text.contains(&missing)
+                {
+                    return Some((task, text));
+                }
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         None
     });
     run(&config, &flow, options).unwrap();
-    let (missing, text) = watcher
+    let (task, text) = watcher
         .join()
         .unwrap()
-        .expect("no missing barrier was ever shown");
-    assert!(missing.ends_with(" 1"), "{missing}");
+        .expect("no counter was ever shown waiting for the stalled source's barrier");
+    let aligning = format!("stillpoint_task_aligning_checkpoint{{task=\"{task}\"}} ");
+    assert!(
+        text.lines()
+            .find_map(|l| l.strip_prefix(aligning.as_str()))
+            .is_some_and(|id| id.parse::<u64>().unwrap() > 0),
+        "{text}"
+    );
     assert!(
         nonzero(&text, "stillpoint_task_snapshots_in_flight").is_some(),
         "the aligned source's snapshot is in flight meanwhile: {text}"

@@ -72,6 +72,10 @@ enum Action {
         /// Also draw duration and size over the checkpoints into this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// A running job's metrics endpoint to show the checkpoints in flight from
+        /// (repeatable; default: the job file's `metrics.listen` and `metrics.nodes`).
+        #[arg(long = "endpoint", value_name = "ADDR")]
+        endpoints: Vec<std::net::SocketAddr>,
     },
 }
 
@@ -79,6 +83,8 @@ struct Target {
     store: Store,
     uri: String,
     retention: Retention,
+    /// The job's metrics endpoints (its own, or its cluster nodes').
+    endpoints: Vec<std::net::SocketAddr>,
 }
 
 fn open(args: &Args) -> Result<Target> {
@@ -86,6 +92,15 @@ fn open(args: &Args) -> Result<Target> {
         Some(path) => Some(Job::load(path)?),
         None => None,
     };
+    let endpoints = job.as_ref().map_or_else(Vec::new, |job| {
+        let nodes = job.cluster.iter().flat_map(|c| c.node_metrics.iter());
+        job.config
+            .metrics_listen
+            .iter()
+            .chain(nodes)
+            .copied()
+            .collect()
+    });
     let (uri, options, retention) = match (&args.store, job) {
         (Some(uri), Some(job)) => (uri.clone(), job.config.store_options, job.config.retention),
         (Some(uri), None) => (uri.clone(), StoreOptions::from_env()?, Retention::default()),
@@ -105,6 +120,7 @@ fn open(args: &Args) -> Result<Target> {
         store,
         uri,
         retention,
+        endpoints,
     })
 }
 
@@ -124,7 +140,7 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
                 restore(&target, CheckpointId(id), dir, force).await
             }
             Action::Gc { dry_run, keep_last } => collect(&target, dry_run, keep_last).await,
-            Action::Stats { plot } => stats(&target, plot).await,
+            Action::Stats { plot, endpoints } => stats(&target, plot, endpoints).await,
         }
     })
 }
@@ -421,7 +437,11 @@ async fn collect(target: &Target, dry_run: bool, keep_last: Option<usize>) -> Re
     Ok(ExitCode::SUCCESS)
 }
 
-async fn stats(target: &Target, plot: Option<PathBuf>) -> Result<ExitCode> {
+async fn stats(
+    target: &Target,
+    plot: Option<PathBuf>,
+    endpoints: Vec<std::net::SocketAddr>,
+) -> Result<ExitCode> {
     let history: Vec<CheckpointStats> = target
         .store
         .stats::<CheckpointStats>()
@@ -467,6 +487,14 @@ async fn stats(target: &Target, plot: Option<PathBuf>) -> Result<ExitCode> {
             }
         }
     }
+    let endpoints = if endpoints.is_empty() {
+        &target.endpoints
+    } else {
+        &endpoints
+    };
+    for address in endpoints {
+        in_flight(*address);
+    }
     if let Some(path) = plot {
         let svg = crate::plot::svg(
             &history,
@@ -476,4 +504,27 @@ async fn stats(target: &Target, plot: Option<PathBuf>) -> Result<ExitCode> {
         println!("chart written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The checkpoint work in flight on the running job's endpoint `address`: each
+/// task's state (aligning on which upstreams, snapshots in flight, ready). A job that
+/// is not running is said so, not an error.
+fn in_flight(address: std::net::SocketAddr) {
+    let text = match stillpoint_metrics::scrape(address, std::time::Duration::from_secs(2)) {
+        Ok(text) => text,
+        Err(error) => {
+            println!("in flight: nothing shown ({error}; is the job running?)");
+            return;
+        }
+    };
+    let tasks = stillpoint_metrics::in_flight(&text);
+    if tasks.is_empty() {
+        return;
+    }
+    println!("in flight at {address}:");
+    println!("{:>6}  {:>4}  state", "task", "node");
+    for task in tasks {
+        let node = task.node.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        println!("{:>6}  {:>4}  {}", task.task, node, task.state());
+    }
 }

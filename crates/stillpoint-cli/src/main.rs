@@ -415,6 +415,8 @@ fn coordinator(path: &Path, savepoint: bool, allow_duplicates: bool) -> Result<E
     let mut job = Job::load(path)?;
     job.config.allow_duplicates |= allow_duplicates;
     let options = announce(&job, savepoint)?;
+    // The coordinator follows the marker and tells the nodes, whose sources pause.
+    follow_pause_marker(job.config.work_dir.join(PAUSE_MARKER), options.stop.clone());
     let cluster = cluster_of(&job)?;
     let report = stillpoint_cluster::run_coordinator(&job.config, cluster, &job.pipeline, options)?;
     println!("done: {} checkpoint(s) this run", report.checkpoints.len());

@@ -525,6 +525,10 @@ fn the_example_job_files_load_and_run() {
 fn pause_and_resume_a_running_job() {
     let dir = tempfile::tempdir().unwrap();
     let job = job_file(dir.path());
+    // With a metrics endpoint, `checkpoints stats` shows the work in flight.
+    let metrics = format!("127.0.0.1:{}", support::free_port());
+    let text = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(&job, format!("{text}[metrics]\nlisten = \"{metrics}\"\n")).unwrap();
     let paused = stdout(stillpoint().arg("pause").arg(&job));
     assert!(paused.starts_with("paused:"), "{paused}");
     let (mut run, mut lines) = spawn_stillpoint(&["run"], &job);
@@ -559,6 +563,22 @@ fn pause_and_resume_a_running_job() {
     checkpoints_seen(6);
     assert_eq!(committed(), before, "output grew while paused");
     assert!(before < 40_000);
+    let stats = stdout(
+        stillpoint()
+            .args(["checkpoints", "stats", "--job"])
+            .arg(&job),
+    );
+    assert!(
+        stats.contains(&format!("in flight at {metrics}:")),
+        "{stats}"
+    );
+    // Six tasks (2 sources, 2 counters, 2 sinks), each with its state.
+    let states = stats
+        .lines()
+        .skip_while(|l| !l.starts_with("in flight"))
+        .filter(|l| l.contains("ready") || l.contains("aligning") || l.contains("snapshot"))
+        .count();
+    assert_eq!(states, 6, "{stats}");
     let resumed = stdout(stillpoint().arg("resume").arg(&job));
     assert!(resumed.starts_with("resumed:"), "{resumed}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
@@ -567,4 +587,11 @@ fn pause_and_resume_a_running_job() {
     assert_eq!(committed(), 40_000, "every word once");
     let again = stdout(stillpoint().arg("resume").arg(&job));
     assert!(again.starts_with("not paused"), "{again}");
+    // Once the job has ended there is nothing in flight to show, and that is said.
+    let stats = stdout(
+        stillpoint()
+            .args(["checkpoints", "stats", "--job"])
+            .arg(&job),
+    );
+    assert!(stats.contains("is the job running?"), "{stats}");
 }

@@ -510,3 +510,88 @@ fn strangers_and_wrong_secrets_are_refused_and_change_nothing() {
     output.sort();
     assert_eq!(output, expected(words, 300));
 }
+
+/// `stillpoint pause` on a cluster job: the coordinator follows the marker and tells
+/// the nodes, whose sources stop reading while checkpoints go on; `stillpoint resume`
+/// lets them read again and the job ends with exactly the failure-free output.
+#[test]
+fn a_paused_cluster_reads_nothing_until_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (m1, m2) = (free_port(), free_port());
+    let words = 150_000;
+    let job = dir.path().join("job.toml");
+    write_word_count_job(
+        &job,
+        &dir.path().join("data"),
+        &dir.path().join("out"),
+        words,
+        &format!(
+            "{}[metrics]\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n",
+            cluster_table()
+        ),
+    );
+    let command = |verb: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stillpoint"))
+            .arg(verb)
+            .arg(&job)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{verb}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(command("pause").starts_with("paused:"));
+    let mut processes = start_cluster(&job, dir.path(), "");
+    let checkpoints = dir.path().join("data/store/checkpoints");
+    let wait_for_checkpoints = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while std::fs::read_dir(&checkpoints).map_or(0, |d| d.count()) < n {
+            assert!(
+                Instant::now() < deadline,
+                "fewer than {n} checkpoints within 90 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The source tasks' records (task 1 on node 1, task 2 on node 2).
+    let read = || -> u64 {
+        [(1, m1, 1), (2, m2, 2)]
+            .iter()
+            .map(|(node, port, task)| {
+                let text = scrape(*port);
+                let line =
+                    format!("stillpoint_task_records_total{{task=\"{task}\",node=\"{node}\"}} ");
+                text.lines()
+                    .find_map(|l| l.strip_prefix(line.as_str()))
+                    .unwrap_or_else(|| panic!("node {node}: {text}"))
+                    .parse::<u64>()
+                    .unwrap()
+            })
+            .sum()
+    };
+    let committed =
+        || stillpoint_connectors::read_committed(&dir.path().join("out")).map_or(0, |o| o.len());
+    wait_for_checkpoints(3);
+    let (records, published) = (read(), committed());
+    wait_for_checkpoints(6);
+    assert_eq!(read(), records, "sources read while paused");
+    assert_eq!(committed(), published, "output grew while paused");
+    assert!(records < 2 * words, "the job ran to its end: {records}");
+    assert!(command("resume").starts_with("resumed:"));
+    let mut nodes = processes.split_off(1);
+    let log = |name: &str| dir.path().join(format!("{name}.log"));
+    let coordinator_log = finish(
+        &mut processes[0],
+        &mut nodes,
+        &log("coordinator"),
+        &[&log("node1"), &log("node2")],
+    );
+    assert!(coordinator_log.contains("resumed"), "{coordinator_log}");
+    let node_log = std::fs::read_to_string(log("node1")).unwrap();
+    assert!(
+        node_log.contains("sources paused or resumed by the coordinator"),
+        "{node_log}"
+    );
+    let mut output = stillpoint_connectors::read_committed(&dir.path().join("out")).unwrap();
+    output.sort();
+    assert_eq!(output, expected(words, 300), "every word once");
+}

@@ -219,9 +219,16 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
         "data",
         "out",
         WORDS,
-        &format!("[store]\nuri = \"{store}\"\n[retention]\nkeep_last = 3\ngrace = \"0s\"\n"),
+        &format!(
+            "checkpoint_timeout = \"2s\"\n[store]\nuri = \"{store}\"\n[retention]\nkeep_last = 3\ngrace = \"2s\"\n"
+        ),
     );
     let (ok, stdout, stderr) = run(&["run"], Some(&job));
+    assert!(ok, "{stdout}\n{stderr}");
+    // Files of the checkpoints expired in the run's last 2 s are younger than the
+    // grace: once it has passed, `checkpoints gc` leaves only what is referenced.
+    std::thread::sleep(std::time::Duration::from_millis(2_100));
+    let (ok, stdout, stderr) = run(&["checkpoints", "gc", "--job", job.to_str().unwrap()], None);
     assert!(ok, "{stdout}\n{stderr}");
     let (ok, report) = verify(&store);
     assert!(ok, "{report}");

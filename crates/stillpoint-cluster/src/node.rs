@@ -378,6 +378,16 @@ impl NodeState<'_> {
                                 checkpoint: checkpoint.map(CheckpointId),
                             }
                         }
+                        // Not a change of membership: straight to the live tasks.
+                        EngineMessage::Pause { generation, paused } => {
+                            if let Some(live) =
+                                current.as_ref().filter(|c| c.generation == generation)
+                            {
+                                tracing::info!(node = %self.node, generation, paused, "sources paused or resumed by the coordinator");
+                                live.tasks.signals().set_paused(paused);
+                            }
+                            continue;
+                        }
                         EngineMessage::Reset { generation } => Order::Reset { generation },
                         EngineMessage::Finish { generation } => Order::Finish { generation },
                         EngineMessage::Exit => Order::Exit,

@@ -23,11 +23,15 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod in_flight;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+
+pub use in_flight::{ScrapeError, TaskInFlight, in_flight, scrape};
 
 /// A counter of the job's metrics (a task's records).
 pub use prometheus_client::metrics::counter::Counter;
@@ -45,7 +49,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
-use stillpoint_task::CompletedCheckpoint;
+use stillpoint_task::{CompletedCheckpoint, TaskMachine};
 use stillpoint_wire::{NodeId, TaskId};
 
 /// Statistics of one completed checkpoint, kept in the store next to it.
@@ -152,14 +156,48 @@ pub struct TaskProgress {
     /// Snapshots taken and not yet completed or aborted (exporting, or waiting for
     /// downstreams and the coordinator).
     pub snapshots_in_flight: Gauge,
+    /// The checkpoint being aligned (0: none).
+    pub aligning: Gauge,
+    /// Per upstream: 1 while the task aligns and that upstream's barrier is missing.
+    awaiting: Family<TaskLabels, Gauge>,
+    labels: TaskLabels,
+    /// What the gauges show: (aligned checkpoint, barriers in, snapshots in flight).
+    shown: Arc<std::sync::Mutex<(u64, usize, usize)>>,
 }
 
 impl TaskProgress {
-    /// Sets both gauges.
+    /// Sets both counts.
     pub fn set(&self, missing_barriers: usize, snapshots_in_flight: usize) {
         let whole = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.missing_barriers.set(whole(missing_barriers));
         self.snapshots_in_flight.set(whole(snapshots_in_flight));
+    }
+
+    /// Shows what `machine` is doing: the checkpoint it aligns, which upstreams'
+    /// barriers it waits for, its snapshots in flight. Cheap when nothing changed (the
+    /// driver calls it on every step).
+    pub fn show(&self, machine: &TaskMachine) {
+        let aligning = machine.aligning();
+        let now = (
+            aligning.map_or(0, |(c, _)| c.get()),
+            aligning.map_or(0, |(_, arrived)| arrived.len()),
+            machine.building().count(),
+        );
+        let Ok(mut shown) = self.shown.lock() else {
+            return;
+        };
+        if *shown == now {
+            return;
+        }
+        *shown = now;
+        self.set(machine.missing_barriers(), now.2);
+        self.aligning.set(i64::try_from(now.0).unwrap_or(i64::MAX));
+        for upstream in &machine.config().upstreams {
+            let mut labels = self.labels.clone();
+            labels.push(("upstream", upstream.get().to_string()));
+            let missing = aligning.is_some_and(|(_, arrived)| !arrived.contains(upstream));
+            self.awaiting.get_or_create(&labels).set(i64::from(missing));
+        }
     }
 }
 
@@ -208,6 +246,18 @@ impl Metrics {
             "Snapshots the task took that are not yet complete or aborted",
             building.clone(),
         );
+        let aligning = Family::<TaskLabels, Gauge>::default();
+        registry.register(
+            "stillpoint_task_aligning_checkpoint",
+            "The checkpoint the task aligns on (0: none)",
+            aligning.clone(),
+        );
+        let awaiting = Family::<TaskLabels, Gauge>::default();
+        registry.register(
+            "stillpoint_task_awaiting_barrier",
+            "1 while the task aligns and the barrier of this upstream has not arrived",
+            awaiting.clone(),
+        );
         let mut records = BTreeMap::new();
         let mut progress = BTreeMap::new();
         for task in tasks {
@@ -219,6 +269,10 @@ impl Metrics {
             let gauges = TaskProgress {
                 missing_barriers: missing.get_or_create(&labels).clone(),
                 snapshots_in_flight: building.get_or_create(&labels).clone(),
+                aligning: aligning.get_or_create(&labels).clone(),
+                awaiting: awaiting.clone(),
+                labels: labels.clone(),
+                shown: Arc::default(),
             };
             progress.insert(*task, gauges);
         }

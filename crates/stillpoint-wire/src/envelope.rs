@@ -121,6 +121,14 @@ pub enum EngineMessage {
         /// The generation.
         generation: u64,
     },
+    /// Coordinator → node: the generation's sources stop reading (`paused`) or read
+    /// again; checkpoints go on either way (`stillpoint pause`, `StopHandle::pause`).
+    Pause {
+        /// The generation.
+        generation: u64,
+        /// Whether the sources are paused from now on.
+        paused: bool,
+    },
     /// Coordinator → node: every node finished; exit.
     Exit,
     /// Node → node, answering the challenge of an edge connection.
@@ -157,6 +165,7 @@ impl EngineMessage {
             Self::Reset { .. } => "reset",
             Self::Finish { .. } => "finish",
             Self::Finished { .. } => "finished",
+            Self::Pause { .. } => "pause",
             Self::Exit => "exit",
             Self::EdgeHello { .. } => "edge_hello",
         }

@@ -225,8 +225,7 @@ impl TaskDriver {
             self.drain_control()?;
             self.drain_exports()?;
             self.fire_timers(TimeDomain::ProcessingTime, processing_time())?;
-            let building = self.machine.building().count();
-            self.gauges.set(self.machine.missing_barriers(), building);
+            self.gauges.show(&self.machine);
             let now = self.now();
             if self.machine.poll_timeout().is_some_and(|t| t <= now) {
                 self.machine.handle_timeout(now);
