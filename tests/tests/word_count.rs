@@ -300,6 +300,46 @@ fn a_stop_with_savepoint_ends_on_a_savepoint_that_restores_rescaled() {
     );
 }
 
+/// Up to three checkpoints in flight at once, triggered every 10 ms with a 5 ms
+/// minimum pause (so most overlap: one takes tens of ms here), crashed at random:
+/// the job still publishes exactly the failure-free output.
+#[test]
+fn concurrent_checkpoints_through_crashes_lose_and_duplicate_nothing() {
+    let crashes = 10;
+    let mut seen = support::CrashLoop::default();
+    let mut round: u64 = 0;
+    while seen.crashes < crashes {
+        round += 1;
+        let dir = tempfile::tempdir().unwrap();
+        let job = job(dir.path(), 100_000);
+        let mut config = config(dir.path());
+        config.checkpoint_interval = Duration::from_millis(10);
+        config.max_concurrent_checkpoints = 3;
+        config.min_pause = Duration::from_millis(5);
+        let this = crash_loop(
+            &config,
+            &job,
+            crashes - seen.crashes,
+            Duration::from_millis(300),
+            100 + round,
+        );
+        assert_eq!(
+            committed_output(&job),
+            expected_output(&job),
+            "round {round}: {this:?}"
+        );
+        seen.merge(this);
+    }
+    assert!(seen.restored > 0, "{seen:?}");
+    eprintln!(
+        "e2e concurrent: {round} rounds, {} crashes, {} restores, {} checkpoints, duration p50 {} ms (interval 10 ms, up to 3 at once)",
+        seen.crashes,
+        seen.restored,
+        seen.checkpoints,
+        percentile(&seen.durations_millis, 50),
+    );
+}
+
 /// Paused, the sources read nothing while checkpoints go on; resumed, the job
 /// finishes exactly once.
 #[test]

@@ -303,6 +303,108 @@ impl GcBackoff {
     }
 }
 
+/// Retention applied in the background, as a job's coordinator needs it: after each
+/// completed checkpoint [`BackgroundGc::after_checkpoint`] starts a collection on the
+/// runtime and returns at once — unless one still runs or the backoff holds — so the
+/// listing and manifest reads of a collection never delay the next checkpoint.
+/// [`BackgroundGc::finish`] waits for the one running (the end of a run).
+#[derive(Debug)]
+pub struct BackgroundGc {
+    store: Store,
+    retention: Retention,
+    lease: std::sync::Arc<Lease>,
+    runtime: tokio::runtime::Handle,
+    backoff: GcBackoff,
+    epoch: std::time::Instant,
+    running: Option<tokio::task::JoinHandle<Result<GcReport, StoreError>>>,
+}
+
+impl BackgroundGc {
+    /// Collections of `store` under `lease` on `runtime`, backing off from 1 s up to
+    /// 60 s while they fail.
+    #[must_use]
+    pub fn new(
+        store: Store,
+        retention: Retention,
+        lease: std::sync::Arc<Lease>,
+        runtime: tokio::runtime::Handle,
+    ) -> Self {
+        Self {
+            store,
+            retention,
+            lease,
+            runtime,
+            backoff: GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60)),
+            epoch: std::time::Instant::now(),
+            running: None,
+        }
+    }
+
+    /// Starts a collection unless one is running or a failure's backoff holds; never
+    /// waits for one.
+    pub fn after_checkpoint(&mut self) {
+        if self.running.as_ref().is_some_and(|r| !r.is_finished()) {
+            return;
+        }
+        if let Some(done) = self.running.take() {
+            self.settle(self.runtime.block_on(done));
+        }
+        if !self.backoff.ready(self.now_millis()) {
+            return;
+        }
+        let (store, retention, lease) = (
+            self.store.clone(),
+            self.retention.clone(),
+            std::sync::Arc::clone(&self.lease),
+        );
+        self.running =
+            Some(self.runtime.spawn(async move {
+                collect(&store, &retention, &lease, SystemTime::now()).await
+            }));
+    }
+
+    /// Waits for the running collection, if any (a run ends; the lease is still held).
+    pub fn finish(&mut self) {
+        if let Some(running) = self.running.take() {
+            let done = self.runtime.block_on(running);
+            self.settle(done);
+        }
+    }
+
+    /// Consecutive failed collections.
+    #[must_use]
+    pub fn failures(&self) -> u32 {
+        self.backoff.failures()
+    }
+
+    fn settle(&mut self, done: Result<Result<GcReport, StoreError>, tokio::task::JoinError>) {
+        match done {
+            Ok(Ok(report)) => {
+                self.backoff.succeeded();
+                if !report.plan.is_empty() {
+                    tracing::debug!(
+                        expired = report.plan.expired.len(),
+                        orphans = report.orphans_deleted,
+                        "retention applied"
+                    );
+                }
+            }
+            Ok(Err(error)) => {
+                let wait = self.backoff.failed(self.now_millis());
+                tracing::warn!(%error, ?wait, "garbage collection failed; backing off");
+            }
+            Err(error) => {
+                let wait = self.backoff.failed(self.now_millis());
+                tracing::warn!(%error, ?wait, "garbage collection did not finish; backing off");
+            }
+        }
+    }
+
+    fn now_millis(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -636,6 +636,15 @@ pub struct KeptLease {
     keeper: Option<tokio::task::JoinHandle<()>>,
 }
 
+impl KeptLease {
+    /// The lease itself, shared (for work that outlives a borrow, such as a
+    /// background collection; the keeper goes on refreshing it).
+    #[must_use]
+    pub fn shared(&self) -> Arc<Lease> {
+        Arc::clone(&self.lease)
+    }
+}
+
 impl std::ops::Deref for KeptLease {
     type Target = Lease;
 

@@ -59,7 +59,7 @@ mod uri;
 pub use crypto::{EncryptionKey, KEY_ENV};
 pub use error::StoreError;
 pub use faults::{FaultConfig, FaultOperations};
-pub use gc::{GcBackoff, GcPlan, GcReport, Retention};
+pub use gc::{BackgroundGc, GcBackoff, GcPlan, GcReport, Retention};
 pub use journal::{Journal, JournalConfig, Resumed};
 pub use lease::{
     Clock, Fence, KeptLease, Lease, LeaseConfig, LeaseRecord, ManualClock, SystemClock,

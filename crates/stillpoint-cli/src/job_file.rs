@@ -7,6 +7,8 @@
 //! stream = 1
 //! checkpoint_interval = "1s"        # durations: "250ms", "1s", "5m", …
 //! checkpoint_timeout = "60s"
+//! max_concurrent_checkpoints = 1    # in flight at once (1..=16)
+//! min_pause = "0s"                  # least time from one checkpoint's end to the next trigger
 //! barrier_wait = "10s"              # aligning longer: ask the missing upstreams, log them
 //! tolerable_failures = 3            # consecutive failed checkpoints before the job fails
 //! max_parallelism = 128             # key groups; fixed for the life of the job
@@ -242,6 +244,9 @@ struct JobSection {
     checkpoint_interval: Duration,
     #[serde(with = "humantime_serde")]
     checkpoint_timeout: Duration,
+    max_concurrent_checkpoints: usize,
+    #[serde(with = "humantime_serde")]
+    min_pause: Duration,
     #[serde(with = "humantime_serde")]
     barrier_wait: Duration,
     tolerable_failures: u32,
@@ -261,6 +266,8 @@ impl Default for JobSection {
             stream: defaults.stream.get(),
             checkpoint_interval: defaults.checkpoint_interval,
             checkpoint_timeout: defaults.checkpoint_timeout,
+            max_concurrent_checkpoints: defaults.max_concurrent_checkpoints,
+            min_pause: defaults.min_pause,
             barrier_wait: defaults.barrier_wait,
             tolerable_failures: defaults.tolerable_failures,
             max_parallelism: defaults.max_parallelism,
@@ -519,6 +526,12 @@ impl JobFile {
         if job.barrier_wait.is_zero() {
             return Err(invalid("job.barrier_wait", "must be positive"));
         }
+        if !(1..=16).contains(&job.max_concurrent_checkpoints) {
+            return Err(invalid(
+                "job.max_concurrent_checkpoints",
+                "must be in 1..=16",
+            ));
+        }
         if job.max_parallelism == 0 || job.max_parallelism > 32_768 {
             return Err(invalid("job.max_parallelism", "must be in 1..=32768"));
         }
@@ -639,6 +652,8 @@ impl JobFile {
         };
         config.checkpoint_interval = job.checkpoint_interval;
         config.checkpoint_timeout = job.checkpoint_timeout;
+        config.max_concurrent_checkpoints = job.max_concurrent_checkpoints;
+        config.min_pause = job.min_pause;
         config.barrier_wait = job.barrier_wait;
         config.tolerable_failures = job.tolerable_failures;
         config.batch_records = job.batch_records;
@@ -915,6 +930,10 @@ input = { kind = "files", paths = ["in.txt"] }
                 "store.encryption_key",
             ),
             ("[retention]\nkeep_last = 0\n", "retention.keep_last"),
+            (
+                "[job]\nmax_concurrent_checkpoints = 0\n",
+                "`job.max_concurrent_checkpoints` must be in 1..=16",
+            ),
             (
                 "[retention]\ngrace = \"0s\"\n",
                 "`retention.grace` is 0s, shorter than job.checkpoint_timeout (1m)",

@@ -32,6 +32,13 @@ pub struct JobConfig {
     /// not) before it asks the missing upstreams where their barrier is and logs a
     /// warning naming them and their answers; again every such period (default 10 s).
     pub barrier_wait: Duration,
+    /// Checkpoints in flight at once (default 1, as Flink's
+    /// `execution.checkpointing.max-concurrent-checkpoints`): with more, a slow upload
+    /// does not hold back the next trigger.
+    pub max_concurrent_checkpoints: usize,
+    /// Least time from the end of one checkpoint to the trigger of the next (default
+    /// 0), so slow checkpoints cannot take all the time.
+    pub min_pause: Duration,
     /// Consecutive failed checkpoints tolerated before the job fails (default 3).
     pub tolerable_failures: u32,
     /// What retention keeps.
@@ -73,6 +80,8 @@ impl JobConfig {
             checkpoint_interval: Duration::from_secs(1),
             checkpoint_timeout: Duration::from_secs(60),
             barrier_wait: Duration::from_secs(10),
+            max_concurrent_checkpoints: 1,
+            min_pause: Duration::ZERO,
             tolerable_failures: 3,
             retention: Retention::default(),
             max_parallelism: 128,

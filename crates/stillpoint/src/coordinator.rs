@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use stillpoint_backup::{GcBackoff, KeptLease, Store, gc};
+use stillpoint_backup::{BackgroundGc, KeptLease, Store};
 use stillpoint_task::{Coordinator, CoordinatorAction, CoordinatorConfig, ManifestRequest, Time};
 use stillpoint_wire::{
     CheckpointId, CheckpointKind, CheckpointManifest, Message, SourceOffset, SourcePosition,
@@ -40,7 +40,7 @@ struct CoordinatorDriver<'a, E> {
     stages: Vec<u32>,
     /// What this run has learnt so far (starts empty).
     seen: Seen,
-    backoff: GcBackoff,
+    gc: BackgroundGc,
     report: &'a mut JobReport,
     metrics: Arc<Metrics>,
     stop: StopHandle,
@@ -145,6 +145,13 @@ impl Engine {
                 };
             }
         };
+        // Retention runs beside the checkpoints, never in their way.
+        let gc = BackgroundGc::new(
+            self.store.clone(),
+            self.config.retention.clone(),
+            run.lease.shared(),
+            self.runtime.handle().clone(),
+        );
         let mut driver = CoordinatorDriver {
             coordinator,
             store: self.store.clone(),
@@ -159,7 +166,7 @@ impl Engine {
             sources: self.topology.sources().to_vec(),
             stages: self.topology.parallelisms(),
             seen: Seen::replaying(run.choice.plan.replay.as_ref().map(|r| &r.bounds)),
-            backoff: GcBackoff::new(Duration::from_secs(1), Duration::from_secs(60)),
+            gc,
             report: run.report,
             metrics: run.metrics,
             stop: run.options.stop.clone(),
@@ -167,6 +174,7 @@ impl Engine {
             handed_back: Vec::new(),
         };
         let result = driver.run();
+        driver.gc.finish();
         run.options.on_checkpoint = driver.on_checkpoint.take();
         RunEnded {
             result,
@@ -198,6 +206,8 @@ impl Engine {
             CoordinatorConfig {
                 interval: config.checkpoint_interval,
                 timeout: config.checkpoint_timeout,
+                max_concurrent: config.max_concurrent_checkpoints,
+                min_pause: config.min_pause,
                 tolerable_failures: config.tolerable_failures,
                 ..CoordinatorConfig::new(config.stream, sources, self.topology.all())
             },
@@ -394,7 +404,7 @@ impl<E> CoordinatorDriver<'_, E> {
                         tell(&stats);
                     }
                     self.report.checkpoints.push(stats);
-                    self.collect_garbage();
+                    self.gc.after_checkpoint();
                     let wanted =
                         !self.seen.stop_on_savepoint || completed.kind == CheckpointKind::Savepoint;
                     done |= wanted
@@ -476,34 +486,5 @@ impl<E> CoordinatorDriver<'_, E> {
                 .collect(),
         );
         Ok(created_at_millis)
-    }
-
-    fn collect_garbage(&mut self) {
-        let now_millis = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if !self.backoff.ready(now_millis) {
-            return;
-        }
-        let run = gc::collect(
-            &self.store,
-            &self.config.retention,
-            &self.lease,
-            SystemTime::now(),
-        );
-        match self.runtime.block_on(run) {
-            Ok(report) => {
-                self.backoff.succeeded();
-                if !report.plan.is_empty() {
-                    tracing::debug!(
-                        expired = report.plan.expired.len(),
-                        orphans = report.orphans_deleted,
-                        "retention applied"
-                    );
-                }
-            }
-            Err(error) => {
-                let wait = self.backoff.failed(now_millis);
-                tracing::warn!(%error, ?wait, "garbage collection failed; backing off");
-            }
-        }
     }
 }
