@@ -127,6 +127,20 @@ fn a_stalled_alignment_shows_in_the_metrics_and_the_statistics() {
         .join()
         .unwrap()
         .expect("no counter was ever shown waiting for the stalled source's barrier");
+    // Read back as `stillpoint checkpoints stats` reads a running job's endpoint.
+    let shown = stillpoint_metrics::in_flight(&text);
+    let counter = shown
+        .iter()
+        .find(|t| t.task == task)
+        .unwrap_or_else(|| panic!("task {task} not shown: {shown:?}"));
+    assert_eq!(counter.awaiting, vec![1], "{shown:?}");
+    assert!(
+        counter
+            .state()
+            .contains("waiting for the barrier of task 1"),
+        "{}",
+        counter.state()
+    );
     let aligning = format!("stillpoint_task_aligning_checkpoint{{task=\"{task}\"}} ");
     assert!(
         text.lines()
