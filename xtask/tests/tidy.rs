@@ -445,7 +445,7 @@ fn engine_modules() -> Vec<(String, String)> {
 /// DESIGN §1: `stillpoint` is the thin crate that composes the layers. A ratchet
 /// just above today's measure: issue 20's target is 2,500 and is not met yet
 /// (docs/ARCHITECTURE.md says what is left); lower it as code leaves, never raise it.
-const ENGINE_CODE_LINES: usize = 2_635;
+const ENGINE_CODE_LINES: usize = 2_550;
 
 #[test]
 fn the_integration_crate_stays_thin() {

@@ -71,7 +71,7 @@ pub use restore::{
     restore_journal_dir,
 };
 pub use store::{
-    CheckpointListing, DownloadReport, LatestVerified, ListingStatus, Problem, Store,
+    CheckpointListing, DownloadReport, LatestVerified, ListingStatus, Problem, Restorable, Store,
     UploadedSnapshot, VerifyDepth, VerifyReport, task_manifest_path,
 };
 pub use uri::{

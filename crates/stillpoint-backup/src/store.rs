@@ -170,6 +170,18 @@ pub struct LatestVerified {
     pub rejected: Vec<VerifyReport>,
 }
 
+/// What [`Store::restorable`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restorable {
+    /// The checkpoint to restore; `None` when no committed one qualifies.
+    pub checkpoint: Option<CheckpointId>,
+    /// Newer committed checkpoints that did not verify, newest first, with the first
+    /// problem of each.
+    pub rejected: Vec<(CheckpointId, String)>,
+    /// How many checkpoints are committed.
+    pub committed: usize,
+}
+
 impl Store {
     /// Opens the store at `uri` (see [`StoreUri::parse`]).
     pub fn open(uri: &str, options: StoreOptions) -> Result<Self, StoreError> {
@@ -1046,6 +1058,43 @@ impl Store {
             rejected.push(report);
         }
         Ok(None)
+    }
+
+    /// What a restart restores: the newest committed checkpoint not in `exclude` that
+    /// verifies at `depth`, the newer ones that did not (newest first, each with its
+    /// first problem) and how many are committed. A verification the store could not
+    /// carry out is an error; any other failure is that checkpoint's problem.
+    pub async fn restorable(
+        &self,
+        exclude: &std::collections::BTreeSet<CheckpointId>,
+        depth: VerifyDepth,
+    ) -> Result<Restorable, StoreError> {
+        let committed = self.committed_ids().await?;
+        let mut found = Restorable {
+            checkpoint: None,
+            rejected: Vec::new(),
+            committed: committed.len(),
+        };
+        for id in committed
+            .into_iter()
+            .rev()
+            .filter(|id| !exclude.contains(id))
+        {
+            let problem = match self.verify(id, depth, &()).await {
+                Ok(report) => match report.problems.first() {
+                    None => {
+                        found.checkpoint = Some(id);
+                        break;
+                    }
+                    Some(problem) => problem.to_string(),
+                },
+                Err(error) if error.is_unavailable() => return Err(error),
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(checkpoint = %id, problem, "checkpoint incomplete; falling back");
+            found.rejected.push((id, problem));
+        }
+        Ok(found)
     }
 
     // -----------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ mod cluster;
 mod coordinator;
 mod event_time;
 mod graph;
+mod job_end;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod task;
@@ -92,6 +93,7 @@ pub use coordinator::{
 };
 pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
 pub use graph::{GraphError, Partitioning, TaskGraph};
+pub use job_end::JobEnd;
 pub use task::{
     ConfigError, RestoredCheckpoint, TaskAction, TaskConfig, TaskError, TaskLevel, TaskMachine,
     TaskStatus,

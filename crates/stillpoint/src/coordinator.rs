@@ -3,17 +3,15 @@
 //! store under the job's lease, per-checkpoint statistics, retention and garbage
 //! collection — and decides when the job is done.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use stillpoint_backup::{BackgroundGc, KeptLease, Store};
-use stillpoint_task::{Coordinator, CoordinatorAction, CoordinatorConfig, ManifestRequest, Time};
-use stillpoint_wire::{
-    CheckpointId, CheckpointKind, CheckpointManifest, Message, SourceOffset, SourcePosition,
-    TaskId, TaskSnapshotRef,
+use stillpoint_task::{
+    Coordinator, CoordinatorAction, CoordinatorConfig, JobEnd, ManifestRequest, Time,
 };
+use stillpoint_wire::{CheckpointId, Message, TaskId};
 
 use crate::transport::{CoordinatorInput, Signals};
 use crate::{
@@ -35,11 +33,10 @@ struct CoordinatorDriver<'a, E> {
     config: &'a JobConfig,
     /// The dataflow: its sinks record each commit before they publish it.
     flow: &'a Dataflow,
-    sources: Vec<TaskId>,
     /// The dataflow's parallelism per stage, recorded in every checkpoint.
     stages: Vec<u32>,
-    /// What this run has learnt so far (starts empty).
-    seen: Seen,
+    /// When this run's job is done.
+    end: JobEnd,
     gc: BackgroundGc,
     report: &'a mut JobReport,
     metrics: Arc<Metrics>,
@@ -47,41 +44,6 @@ struct CoordinatorDriver<'a, E> {
     on_checkpoint: Option<CheckpointCallback>,
     /// The process's events that ended the run, for the caller.
     handed_back: Vec<E>,
-}
-
-/// The coordinator driver's own bookkeeping of one run.
-#[derive(Debug, Default)]
-struct Seen {
-    /// Sources that reached their end, at these offsets.
-    finished: BTreeMap<TaskId, SourceOffset>,
-    /// Once every source has ended: the newest checkpoint triggered before. Only a
-    /// later one covers the end of input: an earlier one's barrier may have left a
-    /// source at its last offset but before its `EndOfInput`, so before the
-    /// operators' end-of-input output.
-    ended_after: Option<CheckpointId>,
-    /// The source offsets each committed, not yet completed checkpoint covers.
-    offsets: BTreeMap<CheckpointId, BTreeMap<TaskId, SourceOffset>>,
-    /// Once a stop was requested: the newest checkpoint already triggered then; the
-    /// job ends when a later one completes (a savepoint, if `stop_on_savepoint`).
-    stop_after: Option<CheckpointId>,
-    /// The stop asked for a savepoint.
-    stop_on_savepoint: bool,
-    /// A replay up to published output: the sources not yet at their bound. No
-    /// checkpoint is triggered until every one is; then one is, at once, exactly
-    /// there.
-    replaying: BTreeSet<TaskId>,
-}
-
-impl Seen {
-    /// A run's bookkeeping at its start: with the sources of `bounds` replaying.
-    fn replaying(bounds: Option<&crate::dataflow::Bounds>) -> Self {
-        Self {
-            replaying: bounds
-                .map(|b| b.keys().copied().collect())
-                .unwrap_or_default(),
-            ..Self::default()
-        }
-    }
 }
 
 /// One run of the coordinator driver: the checkpoints of one generation, from its
@@ -163,9 +125,11 @@ impl Engine {
             epoch: Instant::now(),
             config: &self.config,
             flow: &self.flow,
-            sources: self.topology.sources().to_vec(),
             stages: self.topology.parallelisms(),
-            seen: Seen::replaying(run.choice.plan.replay.as_ref().map(|r| &r.bounds)),
+            end: JobEnd::new(
+                self.topology.sources().len(),
+                (run.choice.plan.replay.iter()).flat_map(|r| r.bounds.keys().copied()),
+            ),
             gc,
             report: run.report,
             metrics: run.metrics,
@@ -252,13 +216,11 @@ impl<E> CoordinatorDriver<'_, E> {
                     }
                 }
                 Ok(CoordinatorInput::SourceFinished { task, offset }) => {
-                    self.seen.finished.insert(task, offset);
-                    if self.all_sources_finished() && self.seen.ended_after.is_none() {
-                        self.seen.ended_after = Some(self.newest_triggered());
-                    }
+                    let newest = self.newest_triggered();
+                    self.end.source_finished(task, offset, newest);
                 }
                 Ok(CoordinatorInput::SourceAtBound { task }) => {
-                    if self.seen.replaying.remove(&task) && self.seen.replaying.is_empty() {
+                    if self.end.source_at_bound(task) {
                         tracing::info!(
                             "every source replayed up to the published output: a checkpoint there"
                         );
@@ -286,20 +248,19 @@ impl<E> CoordinatorDriver<'_, E> {
                 }
             }
             self.signals.set_paused(self.stop.paused());
-            if self.seen.stop_after.is_none() && self.stop.requested() {
-                let newest = self.newest_triggered();
-                self.seen.stop_after = Some(newest);
-                if self.stop.savepoint_requested() {
-                    tracing::info!(after = %newest, "stop requested: a savepoint, then stop");
-                    self.seen.stop_on_savepoint = true;
+            let (newest, savepoint) = (self.newest_triggered(), self.stop.savepoint_requested());
+            if self.stop.requested() && self.end.stop_requested(newest, savepoint) {
+                let then = if savepoint {
+                    "a savepoint"
                 } else {
-                    tracing::info!(after = %newest, "stop requested: one more checkpoint, then stop");
-                }
+                    "one more checkpoint"
+                };
+                tracing::info!(after = %newest, "stop requested: {then}, then stop");
             }
             // While sources replay up to published output nothing is triggered: the
             // first checkpoint must be taken at their bounds.
-            let replaying = !self.seen.replaying.is_empty();
-            if self.seen.stop_on_savepoint && !replaying {
+            let replaying = self.end.replaying();
+            if self.end.stop_on_savepoint() && !replaying {
                 self.request_savepoint();
             }
             let now = self.now();
@@ -311,7 +272,7 @@ impl<E> CoordinatorDriver<'_, E> {
             }
             // Every source has ended: the checkpoint covering the end of the input
             // comes now, not at the next interval.
-            if self.all_sources_finished() && self.coordinator.in_flight().next().is_none() {
+            if self.end.all_sources_finished() && self.coordinator.in_flight().next().is_none() {
                 // (Also after one in flight at the end completed: it did not count.)
                 self.coordinator.request_checkpoint(self.now());
                 if self.apply()? {
@@ -339,11 +300,6 @@ impl<E> CoordinatorDriver<'_, E> {
     fn newest_triggered(&self) -> CheckpointId {
         let in_flight = self.coordinator.in_flight().max();
         (in_flight.or(self.coordinator.last_completed())).unwrap_or(CheckpointId(0))
-    }
-
-    /// Whether every source has reported the end of its input.
-    fn all_sources_finished(&self) -> bool {
-        self.seen.finished.len() == self.sources.len()
     }
 
     /// Carries out the coordinator's actions; `true` once the job is done.
@@ -405,19 +361,7 @@ impl<E> CoordinatorDriver<'_, E> {
                     }
                     self.report.checkpoints.push(stats);
                     self.gc.after_checkpoint();
-                    let wanted =
-                        !self.seen.stop_on_savepoint || completed.kind == CheckpointKind::Savepoint;
-                    done |= wanted
-                        && self
-                            .seen
-                            .stop_after
-                            .is_some_and(|after| completed.checkpoint > after);
-                    let covered = self.seen.offsets.get(&completed.checkpoint);
-                    let after_end =
-                        (self.seen.ended_after).is_some_and(|a| completed.checkpoint > a);
-                    done |=
-                        after_end && covered.is_some_and(|offsets| *offsets == self.seen.finished);
-                    self.seen.offsets.retain(|id, _| *id > completed.checkpoint);
+                    done |= self.end.completed(completed.checkpoint, completed.kind);
                 }
                 CoordinatorAction::Aborted { checkpoint, reason } => {
                     self.metrics.checkpoint_aborted();
@@ -441,50 +385,20 @@ impl<E> CoordinatorDriver<'_, E> {
         let created_at_millis = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let manifest = CheckpointManifest {
-            stream: self.config.stream,
-            checkpoint: request.checkpoint,
-            trans: request.trans,
-            kind: request.kind,
+        let (stream, max_parallelism) = (self.config.stream, self.config.max_parallelism);
+        let manifest = request.manifest(
+            stream,
+            max_parallelism,
+            self.stages.clone(),
             created_at_millis,
-            max_parallelism: self.config.max_parallelism,
-            tasks: request
-                .tasks
-                .iter()
-                .map(|t| TaskSnapshotRef {
-                    task: t.task,
-                    node: t.node,
-                    manifest: t.report.manifest.clone(),
-                    sha256: t.report.manifest_sha256,
-                    state_bytes: t.report.state_bytes,
-                })
-                .collect(),
-            sources: request
-                .tasks
-                .iter()
-                .filter_map(|t| {
-                    t.report.source_offset.clone().map(|offset| SourcePosition {
-                        task: t.task,
-                        offset,
-                    })
-                })
-                .collect(),
-            stages: self.stages.clone(),
-        };
+        );
         self.runtime
             .block_on(self.store.commit(&manifest, &self.lease))?;
         // Next to the output, before any sink is told to publish: a fallback past this
         // checkpoint replays exactly up to these offsets.
         self.flow
             .record_commit(request.checkpoint, &manifest.sources)?;
-        self.seen.offsets.insert(
-            request.checkpoint,
-            manifest
-                .sources
-                .iter()
-                .map(|s| (s.task, s.offset.clone()))
-                .collect(),
-        );
+        self.end.committed(request.checkpoint, &manifest.sources);
         Ok(created_at_millis)
     }
 }

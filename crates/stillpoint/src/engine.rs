@@ -200,34 +200,17 @@ impl Engine {
         exclude: &BTreeSet<CheckpointId>,
         report: &mut JobReport,
     ) -> Result<RestoreChoice, EngineError> {
-        let committed = self.runtime.block_on(self.store.committed_ids())?;
-        let mut chosen = None;
-        for id in committed.iter().copied().rev() {
-            if exclude.contains(&id) {
-                continue;
-            }
-            let verified = self
-                .runtime
-                .block_on(self.store.verify(id, VerifyDepth::Presence, &()));
-            let problem = match verified {
-                Ok(verified) => match verified.problems.first() {
-                    None => {
-                        chosen = Some(id);
-                        break;
-                    }
-                    Some(problem) => problem.to_string(),
-                },
-                Err(error) if error.is_unavailable() => return Err(error.into()),
-                Err(error) => error.to_string(),
-            };
-            tracing::warn!(checkpoint = %id, problem, "checkpoint incomplete; falling back");
+        let found =
+            (self.runtime).block_on(self.store.restorable(exclude, VerifyDepth::Presence))?;
+        for (checkpoint, problem) in found.rejected {
             report.fell_back_from.push(FallBack {
-                checkpoint: id,
+                checkpoint,
                 problem,
             });
         }
+        let chosen = found.checkpoint;
         if chosen.is_none() {
-            EngineError::refuse_fresh_start(committed.len(), &report.fell_back_from)?;
+            EngineError::refuse_fresh_start(found.committed, &report.fell_back_from)?;
         }
         let plan = self.flow.plan_restore(
             chosen,

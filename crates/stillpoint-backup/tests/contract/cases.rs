@@ -4,6 +4,7 @@
 
 #![allow(unreachable_pub, clippy::cast_possible_truncation)]
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -429,6 +430,22 @@ pub async fn verify_names_every_damaged_object_and_latest_verified_falls_back(en
             assert_eq!(fallback.manifest.checkpoint, CheckpointId(1), "{case}");
             assert_eq!(fallback.rejected.len(), 1, "{case}");
             assert_eq!(fallback.rejected[0].id, CheckpointId(2));
+            let restorable = store
+                .restorable(&BTreeSet::new(), VerifyDepth::Content)
+                .await
+                .unwrap();
+            assert_eq!(restorable.checkpoint, Some(CheckpointId(1)), "{case}");
+            assert_eq!(restorable.committed, 2);
+            assert_eq!(restorable.rejected[0].0, CheckpointId(2), "{case}");
+            assert!(
+                restorable.rejected[0].1.contains(&victim),
+                "{case}: {restorable:?}"
+            );
+            let none_left = store
+                .restorable(&BTreeSet::from([CheckpointId(1)]), VerifyDepth::Content)
+                .await
+                .unwrap();
+            assert_eq!(none_left.checkpoint, None, "{case}: 1 excluded, 2 damaged");
             assert!(
                 store
                     .verify(CheckpointId(1), VerifyDepth::Content, &())
