@@ -78,6 +78,7 @@ mod coordinator;
 mod event_time;
 mod graph;
 mod job_end;
+mod restore_plan;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod task;
@@ -94,6 +95,9 @@ pub use coordinator::{
 pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
 pub use graph::{GraphError, Partitioning, TaskGraph};
 pub use job_end::JobEnd;
+pub use restore_plan::{
+    Bounds, Published, Replay, Republish, RestorePlan, RestoreQuestion, plan_restore,
+};
 pub use task::{
     ConfigError, RestoredCheckpoint, TaskAction, TaskConfig, TaskError, TaskLevel, TaskMachine,
     TaskStatus,

@@ -13,13 +13,14 @@ use stillpoint_task::{
 };
 use stillpoint_wire::{Message, NodeId, SnapshotManifest, TaskId};
 
-use crate::dataflow::{Bounds, StageKind};
+use crate::dataflow::StageKind;
 use crate::driver::{
     ExportJob, ExportOutcome, Partitioner, Progress, ReplayRole, Role, TaskDriver, export_loop,
 };
 use crate::transport::{CoordinatorInput, Links};
 use crate::{Dataflow, EngineError, JobConfig, Partitioning};
 use stillpoint_metrics::Metrics;
+use stillpoint_task::Bounds;
 
 /// A task's connections: its inputs (one bounded channel per upstream), its control
 /// channel and where its messages go.

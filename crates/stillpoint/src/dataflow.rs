@@ -17,13 +17,12 @@
 //! # Ok::<(), stillpoint::EngineError>(())
 //! ```
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// How a stage's input is spread over its tasks.
 pub use stillpoint_task::Partitioning;
-use stillpoint_task::TaskGraph;
-use stillpoint_wire::{CheckpointId, SourceOffset, SourcePosition, TaskId};
+use stillpoint_task::{Replay, RestorePlan, RestoreQuestion, TaskGraph};
+use stillpoint_wire::{CheckpointId, SourcePosition, TaskId};
 
 use crate::{EngineError, Operator, Sink, Source};
 
@@ -77,45 +76,9 @@ pub trait SinkFactory: Send + Sync {
     }
 }
 
-/// Transactions a sink stage has published, from [`SinkFactory::published_after`].
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Published {
-    /// Their checkpoints, oldest first (each once, however many tasks published it).
-    pub checkpoints: Vec<CheckpointId>,
-    /// The records they hold.
-    pub records: u64,
-    /// The source offsets the newest of them covers, when the sink recorded them
-    /// ([`SinkFactory::record_commit`]): the engine then replays exactly up to them
-    /// and drops that output instead of publishing it again. `None`: unknown, and
-    /// such a restore is refused unless duplicates are allowed.
-    pub covers: Option<Vec<SourcePosition>>,
-}
-
-/// How a restore deals with output the sinks published after its checkpoint.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct RestorePlan {
-    /// The exact replay, when there is published output to replay up to.
-    pub(crate) replay: Option<Replay>,
-    /// The newest checkpoint id the sinks know of (next ids must be greater: a
-    /// transaction's name is its checkpoint id).
-    pub(crate) newest_published: Option<CheckpointId>,
-}
-
-/// Where each source task stops in a replay up to the end of published output.
-pub type Bounds = BTreeMap<TaskId, SourceOffset>;
-
-/// A replay up to the end of published output: every source stops at its bound until
-/// a checkpoint taken there completes, and the sinks drop what they receive before
-/// that checkpoint's barrier (it was published already).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Replay {
-    /// The newest checkpoint whose output is published.
-    pub(crate) through: CheckpointId,
-    /// Where each source task stops.
-    pub(crate) bounds: Bounds,
-    /// The published records the replay reproduces (not published again).
-    pub(crate) records: u64,
-}
+/// Transactions a sink stage has published, from [`SinkFactory::published_after`];
+/// where each source task stops in a replay up to the end of published output.
+pub use stillpoint_task::{Bounds, Published};
 
 impl From<&Replay> for crate::Replayed {
     fn from(replay: &Replay) -> Self {
@@ -257,103 +220,35 @@ impl Dataflow {
         Ok(())
     }
 
-    /// How a restore of `restored` avoids publishing again what the sinks published
-    /// after it: an exact replay up to the offsets the newest published transaction
-    /// covers, when the sinks recorded them and every source (tasks `sources`) can
-    /// stop there. Otherwise the restore is refused ([`EngineError::WouldRepublish`])
-    /// unless `allow` (then it is logged). `fell_back`: newer committed checkpoints
-    /// were skipped as damaged, so a sink that cannot say what it published is
-    /// presumed to have published them.
+    /// How a restore avoids publishing again what the sinks published after it
+    /// ([`stillpoint_task::plan_restore`]): an exact replay up to the offsets the
+    /// newest published transaction covers, when the sinks recorded them and every
+    /// source can stop there and every operator is deterministic; otherwise
+    /// [`EngineError::WouldRepublish`] unless duplicates are allowed.
     pub(crate) fn plan_restore(
         &self,
-        restored: Option<CheckpointId>,
-        fell_back: bool,
-        allow: bool,
-        sources: &[TaskId],
+        question: &RestoreQuestion<'_>,
     ) -> Result<RestorePlan, EngineError> {
-        let from = restored.map_or_else(
-            || "from scratch".to_owned(),
-            |id| format!("checkpoint {}", id.get()),
-        );
-        let mut plan = RestorePlan::default();
+        let mut sinks = Vec::new();
         for stage in &self.stages {
-            let StageKind::Sink(factory) = &stage.kind else {
-                continue;
-            };
-            let (published, why) = match factory.published_after(restored)? {
-                Some(published) if published.checkpoints.is_empty() => continue,
-                Some(published) => {
-                    plan.newest_published = plan
-                        .newest_published
-                        .max(published.checkpoints.last().copied());
-                    match self.replay(&published, sources)? {
-                        Ok(replay) => {
-                            plan.replay = Some(replay);
-                            continue;
-                        }
-                        Err(why) => {
-                            let ids: Vec<String> = published
-                                .checkpoints
-                                .iter()
-                                .map(|id| id.get().to_string())
-                                .collect();
-                            (
-                                format!(
-                                    "the output of checkpoint(s) {} ({} records)",
-                                    ids.join(", "),
-                                    published.records
-                                ),
-                                why,
-                            )
-                        }
-                    }
-                }
-                None if fell_back => (
-                    "possibly the output of the newer checkpoints skipped as damaged".to_owned(),
-                    "the sink cannot say what it published".to_owned(),
-                ),
-                None => continue,
-            };
-            if allow {
-                tracing::warn!(
-                    stage = stage.name,
-                    restored = from,
-                    published,
-                    why,
-                    "restoring anyway (duplicates allowed): this output is published again"
-                );
-                continue;
+            if let StageKind::Sink(factory) = &stage.kind {
+                sinks.push((
+                    stage.name.clone(),
+                    factory.published_after(question.restored)?,
+                ));
             }
-            return Err(EngineError::WouldRepublish {
-                restored: from,
-                stage: stage.name.clone(),
-                published,
-                why,
-            });
         }
-        Ok(plan)
+        let planned = stillpoint_task::plan_restore(question, sinks, || self.replay_blocker())?;
+        planned.map_err(|r| EngineError::WouldRepublish {
+            restored: r.restored,
+            stage: r.stage,
+            published: r.published,
+            why: r.why,
+        })
     }
 
-    /// The exact replay of `published`, or why there is none.
-    fn replay(
-        &self,
-        published: &Published,
-        sources: &[TaskId],
-    ) -> Result<Result<Replay, String>, EngineError> {
-        let (Some(covers), Some(through)) = (&published.covers, published.checkpoints.last())
-        else {
-            return Ok(Err(
-                "the sink did not record the source offsets its output covers".to_owned(),
-            ));
-        };
-        let bounds: BTreeMap<TaskId, SourceOffset> =
-            covers.iter().map(|p| (p.task, p.offset.clone())).collect();
-        if !bounds.keys().eq(sources.iter()) {
-            return Ok(Err(format!(
-                "the published output covers source tasks {:?}, the job has {sources:?}",
-                bounds.keys().map(|t| t.get()).collect::<Vec<_>>()
-            )));
-        }
+    /// Why this dataflow cannot replay up to an offset at all, if it cannot.
+    fn replay_blocker(&self) -> Result<Option<String>, EngineError> {
         for stage in &self.stages {
             for index in 0..stage.parallelism {
                 let why = match &stage.kind {
@@ -365,14 +260,10 @@ impl Dataflow {
                     }
                     _ => continue,
                 };
-                return Ok(Err(format!("stage {:?} {why}", stage.name)));
+                return Ok(Some(format!("stage {:?} {why}", stage.name)));
             }
         }
-        Ok(Ok(Replay {
-            through: *through,
-            bounds,
-            records: published.records,
-        }))
+        Ok(None)
     }
 
     /// The dataflow's tasks and edges.
@@ -453,6 +344,7 @@ impl ToDataflow for Dataflow {
 mod tests {
     use super::*;
     use crate::{Persist, Record, SourcePoll};
+    use stillpoint_wire::SourceOffset;
 
     /// A source, operator and sink that do nothing: only the shape is checked here.
     struct Nothing;

@@ -18,7 +18,7 @@ use stillpoint_task::TaskGraph;
 use stillpoint_wire::{CheckpointId, Message, NodeId, SourcePosition, TaskId};
 
 use crate::build::{Builder, Spawned, Wiring, join_all};
-use crate::dataflow::{Bounds, RestorePlan};
+use stillpoint_task::{Bounds, RestorePlan, RestoreQuestion};
 
 use crate::transport::{ControlMap, CoordinatorInput, Links, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, Replayed, ToDataflow};
@@ -212,12 +212,12 @@ impl Engine {
         if chosen.is_none() {
             EngineError::refuse_fresh_start(found.committed, &report.fell_back_from)?;
         }
-        let plan = self.flow.plan_restore(
-            chosen,
-            !report.fell_back_from.is_empty(),
-            self.config.allow_duplicates,
-            self.topology.sources(),
-        )?;
+        let plan = self.flow.plan_restore(&RestoreQuestion {
+            restored: chosen,
+            fell_back: !report.fell_back_from.is_empty(),
+            allow: self.config.allow_duplicates,
+            sources: self.topology.sources(),
+        })?;
         Ok(RestoreChoice {
             checkpoint: chosen,
             plan,
