@@ -38,6 +38,8 @@ struct CoordinatorDriver<'a, E> {
     /// When this run's job is done.
     end: JobEnd,
     gc: BackgroundGc,
+    /// Statistics documents being written.
+    stats_writes: Vec<tokio::task::JoinHandle<()>>,
     report: &'a mut JobReport,
     metrics: Arc<Metrics>,
     stop: StopHandle,
@@ -131,6 +133,7 @@ impl Engine {
                 (run.choice.plan.replay.iter()).flat_map(|r| r.bounds.keys().copied()),
             ),
             gc,
+            stats_writes: Vec::new(),
             report: run.report,
             metrics: run.metrics,
             stop: run.options.stop.clone(),
@@ -139,6 +142,9 @@ impl Engine {
         };
         let result = driver.run();
         driver.gc.finish();
+        for write in driver.stats_writes.drain(..) {
+            let _ = self.runtime.block_on(write);
+        }
         run.options.on_checkpoint = driver.on_checkpoint.take();
         RunEnded {
             result,
@@ -349,12 +355,15 @@ impl<E> CoordinatorDriver<'_, E> {
                         state = stats.state_bytes,
                         "checkpoint complete"
                     );
-                    if let Err(error) = self
-                        .runtime
-                        .block_on(self.store.put_stats(completed.checkpoint, &stats))
-                    {
-                        tracing::warn!(%error, "checkpoint statistics not stored");
-                    }
+                    // Written beside the next checkpoints; the run waits for them at its end.
+                    let (store, id, doc) =
+                        (self.store.clone(), completed.checkpoint, stats.clone());
+                    self.stats_writes.retain(|w| !w.is_finished());
+                    self.stats_writes.push(self.runtime.spawn(async move {
+                        if let Err(error) = store.put_stats(id, &doc).await {
+                            tracing::warn!(%error, "checkpoint statistics not stored");
+                        }
+                    }));
                     self.metrics.checkpoint_completed(&stats);
                     if let Some(tell) = &mut self.on_checkpoint {
                         tell(&stats);
