@@ -378,7 +378,7 @@ impl BackgroundGc {
     }
 
     fn settle(&mut self, done: Result<Result<GcReport, StoreError>, tokio::task::JoinError>) {
-        match done {
+        let error = match done {
             Ok(Ok(report)) => {
                 self.backoff.succeeded();
                 if !report.plan.is_empty() {
@@ -388,16 +388,13 @@ impl BackgroundGc {
                         "retention applied"
                     );
                 }
+                return;
             }
-            Ok(Err(error)) => {
-                let wait = self.backoff.failed(self.now_millis());
-                tracing::warn!(%error, ?wait, "garbage collection failed; backing off");
-            }
-            Err(error) => {
-                let wait = self.backoff.failed(self.now_millis());
-                tracing::warn!(%error, ?wait, "garbage collection did not finish; backing off");
-            }
-        }
+            Ok(Err(error)) => error.to_string(),
+            Err(error) => format!("it did not finish: {error}"),
+        };
+        let wait = self.backoff.failed(self.now_millis());
+        tracing::warn!(error, ?wait, "garbage collection failed; backing off");
     }
 
     fn now_millis(&self) -> u64 {

@@ -1470,36 +1470,36 @@ async fn local_has_size(path: &Path, size: u64) -> Result<bool, StoreError> {
 
 /// Syncs a local file or directory to disk.
 async fn sync_local(path: &Path) -> Result<(), StoreError> {
-    let owned = path.to_owned();
-    tokio::task::spawn_blocking(move || crate::durable_fs::sync_path(&owned))
-        .await
-        .map_err(|e| StoreError::Local {
-            operation: "sync",
-            path: path.to_owned(),
-            message: e.to_string(),
-            kind: std::io::ErrorKind::Other,
-        })?
+    on_blocking_pool("sync", path, crate::durable_fs::sync_path)
+        .await?
         .map_err(|e| StoreError::local("sync", path, &e))
 }
 
 /// Whether a local file exists with the manifest's size and SHA-256.
 pub(crate) async fn local_matches(path: &Path, file: &SnapshotFile) -> Result<bool, StoreError> {
-    match tokio::fs::metadata(path).await {
-        Ok(meta) if meta.is_file() && meta.len() == file.size => {}
-        Ok(_) => return Ok(false),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(StoreError::local("stat", path, &e)),
+    if !local_has_size(path, file.size).await? {
+        return Ok(false);
     }
+    let digest = on_blocking_pool("hash", path, hash_file).await??;
+    Ok(digest == file.sha256)
+}
+
+/// Runs `work` on `path` on the blocking pool; a job that panicked or was cancelled
+/// is a local error of `operation`.
+async fn on_blocking_pool<T: Send + 'static>(
+    operation: &'static str,
+    path: &Path,
+    work: impl FnOnce(&Path) -> T + Send + 'static,
+) -> Result<T, StoreError> {
     let owned = path.to_owned();
-    let digest = tokio::task::spawn_blocking(move || hash_file(&owned))
+    tokio::task::spawn_blocking(move || work(&owned))
         .await
         .map_err(|e| StoreError::Local {
-            operation: "hash",
+            operation,
             path: path.to_owned(),
             message: e.to_string(),
             kind: std::io::ErrorKind::Other,
-        })??;
-    Ok(digest == file.sha256)
+        })
 }
 
 /// Copies a `file://` store's object to `partial` with the kernel's copy, then checks

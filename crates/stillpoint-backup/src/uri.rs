@@ -105,6 +105,14 @@ pub(crate) fn secret_option(key: &str) -> bool {
     .any(|part| key.contains(part))
 }
 
+/// A URI query's `key=value` pairs (a key without `=` has an empty value).
+fn query_pairs(query: &str) -> impl Iterator<Item = (&str, &str)> {
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+}
+
 /// `uri` as an error may show it: a user name and password in its authority, and the
 /// value of any option that looks like a credential, replaced by `***` (the URI is
 /// refused for holding them, and the refusal must not repeat them).
@@ -198,8 +206,7 @@ impl StoreUri {
                 }
                 let mut endpoint = None;
                 let mut region = None;
-                for pair in query.split('&').filter(|p| !p.is_empty()) {
-                    let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                for (key, value) in query_pairs(query) {
                     match key {
                         "endpoint" => endpoint = Some(value.to_owned()),
                         "region" => region = Some(value.to_owned()),
@@ -261,8 +268,7 @@ impl StoreUri {
             ));
         }
         let mut options = BTreeMap::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        for (key, value) in query_pairs(query) {
             let key = key.to_ascii_lowercase();
             if secret_option(&key) {
                 return Err(invalid(&format!(

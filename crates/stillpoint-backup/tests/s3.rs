@@ -41,16 +41,7 @@ async fn wait_until_ready(store: &Store) {
 }
 
 macro_rules! run_on_s3 {
-    ($($name:ident),* $(,)?) => {
-        $(
-            {
-                let env = Env::new(Backend::S3);
-                let started = Instant::now();
-                runtime().block_on(cases::$name(&env));
-                eprintln!("s3: {} passed in {:.1} s", stringify!($name), started.elapsed().as_secs_f64());
-            }
-        )*
-    };
+    ($($name:ident),* $(,)?) => { run_timed!(S3, "s3": $($name),*) };
 }
 
 #[test]

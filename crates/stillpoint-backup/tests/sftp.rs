@@ -14,22 +14,11 @@ mod support;
 #[path = "contract/cases.rs"]
 mod cases;
 
-use std::time::Instant;
-
+use support::SFTP;
 use support::sftp::SftpServer;
-use support::{Backend, Env, SFTP, runtime};
 
 macro_rules! run_on_sftp {
-    ($($name:ident),* $(,)?) => {
-        $(
-            {
-                let env = Env::new(Backend::Sftp);
-                let started = Instant::now();
-                runtime().block_on(cases::$name(&env));
-                eprintln!("sftp: {} passed in {:.1} s", stringify!($name), started.elapsed().as_secs_f64());
-            }
-        )*
-    };
+    ($($name:ident),* $(,)?) => { run_timed!(Sftp, "sftp": $($name),*) };
 }
 
 #[test]

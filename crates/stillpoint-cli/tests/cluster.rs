@@ -105,21 +105,35 @@ fn scrape(port: u16) -> String {
     response
 }
 
+/// Records source task `task` of node `node` took in, from that node's endpoint
+/// text `text`.
+fn source_records(text: &str, node: u32, task: u32) -> u64 {
+    let line = format!("stillpoint_task_records_total{{task=\"{task}\",node=\"{node}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(line.as_str()))
+        .unwrap_or_else(|| panic!("node {node} does not report source task {task}: {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// The word count of `words` per source as a cluster job in `dir/job.toml` (work in
+/// `dir/data`, output in `dir/out`), with a `[metrics]` section of `metrics`.
+fn cluster_job(dir: &Path, words: u64, metrics: &str) -> std::path::PathBuf {
+    let job = dir.join("job.toml");
+    let extra = format!("{}[metrics]\n{metrics}", cluster_table());
+    write_word_count_job(&job, &dir.join("data"), &dir.join("out"), words, &extra);
+    job
+}
+
 #[test]
 fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     let dir = tempfile::tempdir().unwrap();
     let (mc, m1, m2) = (free_port(), free_port(), free_port());
     let words = 150_000;
-    let job = dir.path().join("job.toml");
-    write_word_count_job(
-        &job,
-        &dir.path().join("data"),
-        &dir.path().join("out"),
+    let job = cluster_job(
+        dir.path(),
         words,
-        &format!(
-            "{}[metrics]\nlisten = \"127.0.0.1:{mc}\"\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n",
-            cluster_table()
-        ),
+        &format!("listen = \"127.0.0.1:{mc}\"\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n"),
     );
     let logs = dir.path();
     let mut coordinator = spawn(&["coordinator"], &job, &logs.join("coordinator.log"));
@@ -142,14 +156,7 @@ fn a_killed_node_is_restarted_and_nothing_is_lost_or_duplicated() {
     );
     for (node, port, task) in [(1, m1, 1), (2, m2, 2)] {
         let text = scrape(port);
-        let line = format!("stillpoint_task_records_total{{task=\"{task}\",node=\"{node}\"}} ");
-        let records: u64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix(line.as_str()))
-            .unwrap_or_else(|| panic!("node {node} does not report source task {task}: {text}"))
-            .parse()
-            .unwrap();
-        assert!(records > 0, "node {node}: {text}");
+        assert!(source_records(&text, node, task) > 0, "node {node}: {text}");
         assert!(
             !text.contains("stillpoint_checkpoints_completed_total"),
             "{text}"
@@ -519,16 +526,10 @@ fn a_paused_cluster_reads_nothing_until_resumed() {
     let dir = tempfile::tempdir().unwrap();
     let (m1, m2) = (free_port(), free_port());
     let words = 150_000;
-    let job = dir.path().join("job.toml");
-    write_word_count_job(
-        &job,
-        &dir.path().join("data"),
-        &dir.path().join("out"),
+    let job = cluster_job(
+        dir.path(),
         words,
-        &format!(
-            "{}[metrics]\nnodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n",
-            cluster_table()
-        ),
+        &format!("nodes = [\"127.0.0.1:{m1}\", \"127.0.0.1:{m2}\"]\n"),
     );
     let command = |verb: &str| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_stillpoint"))
@@ -556,16 +557,7 @@ fn a_paused_cluster_reads_nothing_until_resumed() {
     let read = || -> u64 {
         [(1, m1, 1), (2, m2, 2)]
             .iter()
-            .map(|(node, port, task)| {
-                let text = scrape(*port);
-                let line =
-                    format!("stillpoint_task_records_total{{task=\"{task}\",node=\"{node}\"}} ");
-                text.lines()
-                    .find_map(|l| l.strip_prefix(line.as_str()))
-                    .unwrap_or_else(|| panic!("node {node}: {text}"))
-                    .parse::<u64>()
-                    .unwrap()
-            })
+            .map(|(node, port, task)| source_records(&scrape(*port), *node, *task))
             .sum()
     };
     let committed =

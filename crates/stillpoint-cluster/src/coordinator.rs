@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use stillpoint::{
     CheckpointRun, CoordinatorInput, Engine, EngineError, FallBack, JobConfig, JobReport,
-    KeptLease, Metrics, RestoreChoice, RunOptions, Signals, StopHandle, ToDataflow,
+    KeptLease, Metrics, RestoreChoice, RunOptions, Signals, ToDataflow,
 };
 use stillpoint_task::{ClusterAction, ClusterCoordinator, NodeReport, Order, RunEnd, Time};
 use stillpoint_wire::{
@@ -144,27 +144,6 @@ pub fn run_coordinator(
         engine.release(lease)?;
     }
     Ok(report)
-}
-
-/// Tells every node of generation `g` when `stop` pauses or resumes the job (checked
-/// every 100 ms, from the generation's start until `over`): a generation started
-/// while paused starts paused.
-fn tell_pauses(g: u64, stop: &StopHandle, nodes: &[Sender<Envelope>], over: &AtomicBool) {
-    let mut told = false;
-    while !over.load(Ordering::SeqCst) {
-        let paused = stop.paused();
-        if paused != told {
-            tracing::info!(generation = g, paused, "telling the nodes");
-            for node in nodes {
-                let _closed = node.send(Envelope::Engine(EngineMessage::Pause {
-                    generation: g,
-                    paused,
-                }));
-            }
-            told = paused;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// Failovers tolerated in a row without a checkpoint completing in between.
@@ -418,30 +397,35 @@ impl CoordinatorProcess<'_> {
         let Some(lease) = self.lease.take() else {
             return Err(EngineError::Invalid("the lease is gone".into()));
         };
+        // The sources run on the nodes: a pause of this process reaches them.
         let writers: Vec<Sender<Envelope>> = routes.values().cloned().collect();
-        let (stop, run_over) = (self.options.stop.clone(), AtomicBool::new(false));
-        let ended = std::thread::scope(|scope| {
-            // The sources run on the nodes: a pause of this process reaches them.
-            scope.spawn(|| tell_pauses(g, &stop, &writers, &run_over));
-            let ended = self.engine.run_checkpoints(CheckpointRun {
-                lease,
-                choice: &choice,
-                route: Box::new(move |task, message| {
-                    if let Some(writer) = routes.get(&node_of(task, node_count)) {
-                        let _closed = writer.send(Envelope::Wire {
-                            generation: g,
-                            message,
-                        });
-                    }
-                }),
-                inputs: self.inputs.1.clone(),
-                signals: Arc::new(Signals::default()),
-                metrics: Arc::clone(self.metrics),
-                report: self.report,
-                options: self.options,
-            });
-            run_over.store(true, Ordering::SeqCst);
-            ended
+        let tell_pause = move |paused| {
+            tracing::info!(generation = g, paused, "telling the nodes");
+            for node in &writers {
+                let pause = EngineMessage::Pause {
+                    generation: g,
+                    paused,
+                };
+                let _closed = node.send(Envelope::Engine(pause));
+            }
+        };
+        let ended = self.engine.run_checkpoints(CheckpointRun {
+            lease,
+            choice: &choice,
+            route: Box::new(move |task, message| {
+                if let Some(writer) = routes.get(&node_of(task, node_count)) {
+                    let _closed = writer.send(Envelope::Wire {
+                        generation: g,
+                        message,
+                    });
+                }
+            }),
+            inputs: self.inputs.1.clone(),
+            signals: Arc::new(Signals::default()),
+            on_pause: Some(Box::new(tell_pause)),
+            metrics: Arc::clone(self.metrics),
+            report: self.report,
+            options: self.options,
         });
         self.lease = Some(ended.lease);
         // The change of membership that ended the run, for the machine (a node's

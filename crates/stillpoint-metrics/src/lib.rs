@@ -162,7 +162,7 @@ pub struct TaskProgress {
     awaiting: Family<TaskLabels, Gauge>,
     labels: TaskLabels,
     /// What the gauges show: (aligned checkpoint, barriers in, snapshots in flight).
-    shown: Arc<std::sync::Mutex<(u64, usize, usize)>>,
+    shown: (u64, usize, usize),
 }
 
 impl TaskProgress {
@@ -176,20 +176,17 @@ impl TaskProgress {
     /// Shows what `machine` is doing: the checkpoint it aligns, which upstreams'
     /// barriers it waits for, its snapshots in flight. Cheap when nothing changed (the
     /// driver calls it on every step).
-    pub fn show(&self, machine: &TaskMachine) {
+    pub fn show(&mut self, machine: &TaskMachine) {
         let aligning = machine.aligning();
         let now = (
             aligning.map_or(0, |(c, _)| c.get()),
             aligning.map_or(0, |(_, arrived)| arrived.len()),
             machine.building().count(),
         );
-        let Ok(mut shown) = self.shown.lock() else {
-            return;
-        };
-        if *shown == now {
+        if self.shown == now {
             return;
         }
-        *shown = now;
+        self.shown = now;
         self.set(machine.missing_barriers(), now.2);
         self.aligning.set(i64::try_from(now.0).unwrap_or(i64::MAX));
         for upstream in &machine.config().upstreams {
@@ -272,7 +269,7 @@ impl Metrics {
                 aligning: aligning.get_or_create(&labels).clone(),
                 awaiting: awaiting.clone(),
                 labels: labels.clone(),
-                shown: Arc::default(),
+                shown: (0, 0, 0),
             };
             progress.insert(*task, gauges);
         }

@@ -29,6 +29,7 @@ struct CoordinatorDriver<'a, E> {
     control: Box<dyn Fn(TaskId, Message) + 'a>,
     inputs: Receiver<CoordinatorInput<E>>,
     signals: Arc<Signals>,
+    on_pause: Option<Box<dyn FnMut(bool) + 'a>>,
     epoch: Instant,
     config: &'a JobConfig,
     /// The dataflow: its sinks record each commit before they publish it.
@@ -59,8 +60,12 @@ pub struct CheckpointRun<'a, E> {
     pub route: Box<dyn Fn(TaskId, Message) + 'a>,
     /// What the tasks (and the process around the driver) report.
     pub inputs: Receiver<CoordinatorInput<E>>,
-    /// A crash of these stops the driver where it is.
+    /// A crash of these stops the driver where it is; a pause of the run's stop
+    /// handle is set on them.
     pub signals: Arc<Signals>,
+    /// Told each change of the stop handle's pause, for sources the signals do not
+    /// reach (a cluster's nodes).
+    pub on_pause: Option<Box<dyn FnMut(bool) + 'a>>,
     /// Where completed and aborted checkpoints are counted.
     pub metrics: Arc<Metrics>,
     /// The completed checkpoints are added to it.
@@ -124,6 +129,7 @@ impl Engine {
             control: run.route,
             inputs: run.inputs,
             signals: run.signals,
+            on_pause: run.on_pause,
             epoch: Instant::now(),
             config: &self.config,
             flow: &self.flow,
@@ -253,15 +259,24 @@ impl<E> CoordinatorDriver<'_, E> {
                     return Err(EngineError::Stopped("every task".to_owned()));
                 }
             }
-            self.signals.set_paused(self.stop.paused());
-            let (newest, savepoint) = (self.newest_triggered(), self.stop.savepoint_requested());
-            if self.stop.requested() && self.end.stop_requested(newest, savepoint) {
-                let then = if savepoint {
-                    "a savepoint"
-                } else {
-                    "one more checkpoint"
-                };
-                tracing::info!(after = %newest, "stop requested: {then}, then stop");
+            let paused = self.stop.paused();
+            if paused != self.signals.paused() {
+                self.signals.set_paused(paused);
+                if let Some(tell) = &mut self.on_pause {
+                    tell(paused);
+                }
+            }
+            if self.stop.requested() {
+                let (newest, savepoint) =
+                    (self.newest_triggered(), self.stop.savepoint_requested());
+                if self.end.stop_requested(newest, savepoint) {
+                    let then = if savepoint {
+                        "a savepoint"
+                    } else {
+                        "one more checkpoint"
+                    };
+                    tracing::info!(after = %newest, "stop requested: {then}, then stop");
+                }
             }
             // While sources replay up to published output nothing is triggered: the
             // first checkpoint must be taken at their bounds.

@@ -89,6 +89,7 @@ pub fn run(
         route: Box::new(running.router()),
         inputs,
         signals: Arc::clone(&signals),
+        on_pause: None,
         metrics,
         report: &mut report,
         options: &mut options,

@@ -21,6 +21,22 @@ use stillpoint_wire::{CheckpointId, CheckpointKind, NodeId, TaskId};
 use crate::support::*;
 
 /// Calls `$m!` with the name of every contract case.
+/// Runs the named cases in turn on one server-backed `Backend`, each on a fresh
+/// namespace, printing each one's time under `label` (`s3`, `sftp`).
+#[allow(unused_macros)]
+macro_rules! run_timed {
+    ($backend:ident, $label:literal: $($name:ident),* $(,)?) => {
+        $(
+            {
+                let env = crate::support::Env::new(crate::support::Backend::$backend);
+                let started = std::time::Instant::now();
+                crate::support::runtime().block_on(crate::cases::$name(&env));
+                eprintln!("{}: {} passed in {:.1} s", $label, stringify!($name), started.elapsed().as_secs_f64());
+            }
+        )*
+    };
+}
+
 macro_rules! contract_cases {
     ($m:ident) => {
         $m!(
