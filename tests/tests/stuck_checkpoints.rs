@@ -88,6 +88,10 @@ fn a_stalled_alignment_shows_in_the_metrics_and_the_statistics() {
     );
     let mut config = config(dir.path());
     config.barrier_wait = Duration::from_millis(200);
+    // A checkpoint is triggered during the stall even if the one before it is slow to
+    // complete (on a loaded machine the first, which materializes, once took the whole
+    // stall, so none aligned across it).
+    config.max_concurrent_checkpoints = 4;
     config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
     let (address_tx, address_rx) = mpsc::channel();
     let options = RunOptions {

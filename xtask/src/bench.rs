@@ -141,7 +141,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// Every figure the workspace's benches print, at any size (the smoke run under
 /// `cargo test` included). The peers' figures are computed here, not printed.
-const EXPECTED: [&str; 25] = [
+const EXPECTED: [&str; 26] = [
     "wire.control_encode_decode",
     "wire.data_decode_throughput",
     "wire.data_decode_vs_memcpy_crc32c",
@@ -153,6 +153,7 @@ const EXPECTED: [&str; 25] = [
     "state.second_snapshot_manifest",
     "state.export_8x_vs_1x",
     "state.sync_snapshot_8x_vs_1x",
+    "state.restore_changelog_vs_materialized",
     "backup.upload_vs_copy",
     "backup.download_vs_copy",
     "backup.second_upload_bytes_ratio",

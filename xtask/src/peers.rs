@@ -4,7 +4,10 @@
 //! and on Bytewax, each installed on demand into a virtualenv under the target
 //! directory — never by the tests. Each peer's script (`xtask/peers/*.py`) prints one
 //! `PEER {json}` line; the figures divide stillpoint's rate, measured by the engine
-//! bench in the same `cargo xtask bench` run, by the peer's.
+//! bench in the same `cargo xtask bench` run, by the peer's. Every peer setting runs
+//! [`RUNS`] times and its median counts, as stillpoint's does; Flink runs with the
+//! same parallelism as stillpoint's job (2 sources → 3 keyed tasks) both in its
+//! default setting and in its best one for this job (`xtask/peers/flink_count.py`).
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -30,7 +33,23 @@ struct Peer {
     rows: (u64, u64),
     /// Whether the script needs a free local port (Flink's REST API).
     port: bool,
+    /// The settings it runs in (the script's last argument), each with the name of
+    /// its figures and the ratio stillpoint is to reach against it.
+    settings: &'static [Setting],
 }
+
+struct Setting {
+    /// The script's argument (none when empty).
+    arg: &'static str,
+    /// `peers.<figure>.keyed_count`, `peers.stillpoint_vs_<figure>`.
+    figure: &'static str,
+    /// How the report names the ratio.
+    label: &'static str,
+    goal: f64,
+}
+
+/// Runs of each peer setting; the median counts.
+const RUNS: usize = 3;
 
 const PEERS: [Peer; 2] = [
     Peer {
@@ -40,6 +59,20 @@ const PEERS: [Peer; 2] = [
         script: "flink_count.py",
         rows: (6_000_000, 30_000_000),
         port: true,
+        settings: &[
+            Setting {
+                arg: "default",
+                figure: "flink_default",
+                label: "÷ Flink default",
+                goal: 5.0,
+            },
+            Setting {
+                arg: "tuned",
+                figure: "flink_tuned",
+                label: "÷ Flink tuned",
+                goal: 3.0,
+            },
+        ],
     },
     Peer {
         name: "bytewax",
@@ -48,6 +81,12 @@ const PEERS: [Peer; 2] = [
         script: "bytewax_count.py",
         rows: (4_000_000, 20_000_000),
         port: false,
+        settings: &[Setting {
+            arg: "",
+            figure: "bytewax",
+            label: "÷ Bytewax",
+            goal: 5.0,
+        }],
     },
 ];
 
@@ -67,44 +106,73 @@ pub(crate) fn run(quick: bool, figures: &[Figure]) -> Result<Vec<Figure>> {
     for peer in &PEERS {
         let python = install(peer, &home)?;
         let rows = if quick { peer.rows.0 } else { peer.rows.1 };
-        let report = measure(peer, &python, &home, rows)?;
-        let rate = number(&report, "records_per_second")?;
-        out.push(figure(
-            &format!("peers.{}.keyed_count", peer.name),
-            rate,
-            "records/s",
-            None,
-            format!(
-                "{rows} records, {:.1} s running",
-                number(&report, "running_seconds")?
-            ),
-        ));
-        out.push(figure(
-            &format!("peers.stillpoint_vs_{}", peer.name),
-            ours / rate,
-            "ratio",
-            Some(5.0),
-            format!("stillpoint {ours:.0} ÷ {} {rate:.0} records/s", peer.name),
-        ));
-        if let Ok(p99) = number(&report, "checkpoint_p99_ms") {
-            let vs = our_checkpoint.map_or_else(String::new, |ms| {
-                format!("; stillpoint p99 {ms:.0} ms on the same job")
-            });
+        for setting in peer.settings {
+            let mut reports = Vec::new();
+            for _ in 0..RUNS {
+                reports.push(measure(peer, setting, &python, &home, rows)?);
+            }
+            let rates = reports
+                .iter()
+                .map(|r| number(r, "records_per_second"))
+                .collect::<Result<Vec<_>>>()?;
+            let rate = median(&rates);
+            let name = setting.figure;
             out.push(figure(
-                &format!("peers.{}.checkpoint_duration_p99", peer.name),
-                p99,
-                "ms",
+                &format!("peers.{name}.keyed_count"),
+                rate,
+                "records/s",
                 None,
                 format!(
-                    "{}'s own REST statistics, {} checkpoints, p50 {:.0} ms{vs}",
-                    peer.name,
-                    number(&report, "checkpoints_completed")?,
-                    number(&report, "checkpoint_p50_ms")?
+                    "{rows} records, median of {RUNS} ({})",
+                    rates
+                        .iter()
+                        .map(|r| format!("{r:.0}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             ));
+            out.push(figure(
+                &format!("peers.stillpoint_vs_{name}"),
+                ours / rate,
+                "ratio",
+                Some(setting.goal),
+                format!(
+                    "stillpoint {} : {ours:.0} ÷ {rate:.0} records/s",
+                    setting.label
+                ),
+            ));
+            let p99s: Vec<f64> = reports
+                .iter()
+                .filter_map(|r| number(r, "checkpoint_p99_ms").ok())
+                .collect();
+            if !p99s.is_empty() {
+                let vs = our_checkpoint.map_or_else(String::new, |ms| {
+                    format!("; stillpoint p99 {ms:.0} ms on the same job")
+                });
+                out.push(figure(
+                    &format!("peers.{name}.checkpoint_duration_p99"),
+                    median(&p99s),
+                    "ms",
+                    None,
+                    format!(
+                        "{}'s own REST statistics, median of the runs' p99, {} checkpoints in the last run{vs}",
+                        peer.name,
+                        reports
+                            .last()
+                            .and_then(|r| number(r, "checkpoints_completed").ok())
+                            .unwrap_or(0.0)
+                    ),
+                ));
+            }
         }
     }
     Ok(out)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn figure(name: &str, value: f64, unit: &str, at_least: Option<f64>, note: String) -> Figure {
@@ -150,7 +218,7 @@ fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn measure(peer: &Peer, python: &Path, home: &Path, rows: u64) -> Result<Value> {
+fn measure(peer: &Peer, setting: &Setting, python: &Path, home: &Path, rows: u64) -> Result<Value> {
     let work = home.join(format!("{}-run", peer.name));
     if work.exists() {
         std::fs::remove_dir_all(&work)?;
@@ -164,6 +232,9 @@ fn measure(peer: &Peer, python: &Path, home: &Path, rows: u64) -> Result<Value> 
     command.arg(&script).arg(rows.to_string()).arg(&work);
     if peer.port {
         command.arg(free_port()?.to_string());
+    }
+    if !setting.arg.is_empty() {
+        command.arg(setting.arg);
     }
     eprintln!("xtask: $ {command:?}");
     let stdout = capture(&mut command)?;

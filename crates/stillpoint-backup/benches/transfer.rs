@@ -101,6 +101,7 @@ fn write_snapshot(
             options: Default::default(),
         },
         files,
+        changelog: Vec::new(),
     }
 }
 

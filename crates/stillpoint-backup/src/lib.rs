@@ -21,6 +21,7 @@
 //!         path: RelativePath::new("000007.sst")?, size: 14,
 //!         sha256: Sha256Digest::of(b"sorted strings"), shared: false,
 //!     }],
+//!     changelog: vec![],
 //! };
 //!
 //! let store = Store::open(&format!("file://{}", dir.path().join("store").display()), StoreOptions::default())?;

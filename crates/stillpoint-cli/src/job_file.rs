@@ -43,6 +43,9 @@
 //! cache_budget_mib = 256            # the write-back cache's memory
 //! bloom_bits_per_key = 10
 //! background_jobs = 2
+//! changelog = true                  # snapshots = materialization + changelog segments
+//! materialize_interval = "60s"      # (changelog) materialize at least this often
+//! materialize_mib = 256             # ... or once this much changelog piles up
 //!
 //! [metrics]
 //! listen = "127.0.0.1:9464"         # Prometheus text at /metrics; default: off
@@ -71,7 +74,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stillpoint_backup::{EncryptionKey, FaultConfig, Retention, S3Credentials, StoreOptions};
-use stillpoint_state::{Compression, StateConfig};
+use stillpoint_state::{ChangelogConfig, Compression, StateConfig};
 use stillpoint_wire::StreamId;
 
 use stillpoint::{EngineError, JobConfig};
@@ -365,12 +368,20 @@ struct StateSection {
     cache_budget_mib: usize,
     bloom_bits_per_key: u32,
     background_jobs: i32,
+    changelog: bool,
+    #[serde(with = "humantime_serde")]
+    materialize_interval: Duration,
+    materialize_mib: u64,
 }
 
 impl Default for StateSection {
     fn default() -> Self {
         let defaults = StateConfig::default();
+        let changelog = defaults.changelog.unwrap_or_default();
         Self {
+            changelog: defaults.changelog.is_some(),
+            materialize_interval: changelog.materialize_interval,
+            materialize_mib: changelog.materialize_bytes >> 20,
             compression: CompressionName::Lz4,
             bottommost_compression: CompressionName::Zstd,
             block_cache_mib: defaults.block_cache_bytes >> 20,
@@ -674,6 +685,10 @@ impl JobFile {
             cache_budget_bytes: state.cache_budget_mib << 20,
             bloom_bits_per_key: state.bloom_bits_per_key,
             background_jobs: state.background_jobs,
+            changelog: state.changelog.then_some(ChangelogConfig {
+                materialize_interval: state.materialize_interval,
+                materialize_bytes: state.materialize_mib << 20,
+            }),
         };
         config.lease_ttl = job.lease_ttl;
         config.metrics_listen = metrics.listen;

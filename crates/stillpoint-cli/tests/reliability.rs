@@ -220,7 +220,10 @@ fn every_stored_file_damaged_in_turn_is_named_and_recovery_falls_back() {
         "out",
         WORDS,
         &format!(
-            "checkpoint_timeout = \"2s\"\n[store]\nuri = \"{store}\"\n[retention]\nkeep_last = 3\ngrace = \"2s\"\n"
+            // Materializing every half second keeps each checkpoint's file list short
+            // (the sweep damages every file in turn) and the restores mixed: some
+            // stand on a materialization alone, some replay segments too.
+            "checkpoint_timeout = \"2s\"\n[store]\nuri = \"{store}\"\n[retention]\nkeep_last = 3\ngrace = \"2s\"\n[state]\nmaterialize_interval = \"500ms\"\n"
         ),
     );
     let (ok, stdout, stderr) = run(&["run"], Some(&job));

@@ -6,7 +6,10 @@
 //!   flush of the same dirty data costs;
 //! - snapshot export (write frozen batch + flush + checkpoint) at 1× and 8× the state
 //!   with the same changed data (goal ratio ≤ 1.5);
-//! - manifest time of a second snapshot after 1% of keys changed.
+//! - manifest time of a second snapshot after 1% of keys changed;
+//! - restore of the snapshot with the longest changelog after a long run of
+//!   checkpoints (1,000, each changing 1 % of at most 1 M keys) ÷ restore of a
+//!   snapshot standing on a fresh materialization (goal ≤ 2).
 //!
 //! Sizes: `STILLPOINT_BENCH_KEYS` keys of 100-byte values for the large state
 //! (default 10,000,000 ≈ 1 GiB; `cargo xtask bench --quick` sets 1,000,000).
@@ -54,11 +57,17 @@ fn keys() -> u64 {
 }
 
 fn cached(dir: &Path, budget: usize) -> CachedState {
+    cached_with(
+        dir,
+        StateConfig {
+            cache_budget_bytes: budget,
+            ..StateConfig::default()
+        },
+    )
+}
+
+fn cached_with(dir: &Path, config: StateConfig) -> CachedState {
     let groups = KeyGroups::new(128).unwrap();
-    let config = StateConfig {
-        cache_budget_bytes: budget,
-        ..StateConfig::default()
-    };
     CachedState::new(RocksStateBackend::open(dir, config, groups, groups.all(), OWNER).unwrap())
 }
 
@@ -244,6 +253,10 @@ fn figures() {
     );
     // P9: what the task waits for at a barrier, at 8× ÷ 1× the state.
     let (sync_small, sync_big) = (percentile(&stalls, 50), percentile(&big_stalls, 50));
+    // 1,000 checkpoints is several materialization cycles at any size: the longest
+    // changelog no longer grows with more (it is bounded by the state's own size).
+    let rounds = if smoke() { 30 } else { 1_000 };
+    restore_figure(&dir.path().join("restore"), n.min(1_000_000), rounds);
     println!(
         "FIGURE state.sync_snapshot_8x_vs_1x = {:.2} ratio goal <= 1.5 (P9: the barrier's synchronous snapshot, median of {} barriers each, {} keys {:.3} ms vs {n} keys {:.3} ms)",
         sync_big / sync_small.max(1e-9),
@@ -251,6 +264,101 @@ fn figures() {
         n * 8,
         sync_big * 1e3,
         sync_small * 1e3
+    );
+}
+
+/// Restore after a long run of changelog checkpoints ÷ restore from a fresh
+/// materialization: `rounds` checkpoints each changing 1 % of `keys` random keys, with
+/// no time- or size-limit but the changelog's own "as large as its materialization";
+/// the snapshot whose changelog is the largest of the run is restored, and so is one
+/// taken right after a materialization (median of 3 alternating restores each).
+fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
+    let config = StateConfig {
+        cache_budget_bytes: 1 << 30,
+        changelog: Some(ChangelogConfig {
+            materialize_interval: std::time::Duration::MAX,
+            materialize_bytes: u64::MAX,
+        }),
+        ..StateConfig::default()
+    };
+    let mut state = cached_with(&dir.join("db"), config);
+    load(&mut state, None, keys);
+    let mut x = 11_u64;
+    let mut longest: Option<ExportedSnapshot> = None;
+    let changelog_bytes = |e: &ExportedSnapshot| -> u64 {
+        e.manifest
+            .files
+            .iter()
+            .filter(|f| e.manifest.changelog.contains(&f.path))
+            .map(|f| f.size)
+            .sum()
+    };
+    for round in 0..rounds {
+        if round > 0 {
+            for _ in 0..keys / 100 {
+                let value = next(&mut x).to_le_bytes().repeat(12);
+                state
+                    .put("s", &(next(&mut x) % keys).to_le_bytes(), b"", &value)
+                    .unwrap();
+            }
+        }
+        let exported = state
+            .snapshot(CheckpointId(round + 1), dir.join(format!("ckpt-{round}")))
+            .run()
+            .unwrap();
+        if longest
+            .as_ref()
+            .is_none_or(|l| changelog_bytes(&exported) > changelog_bytes(l))
+        {
+            longest = Some(exported);
+        } else {
+            std::fs::remove_dir_all(&exported.dir).unwrap();
+        }
+    }
+    state.settle_materialization().unwrap();
+    // One more change set, so the fresh snapshot is a materialization plus a segment.
+    for _ in 0..keys / 100 {
+        state
+            .put("s", &(next(&mut x) % keys).to_le_bytes(), b"", &[9; 96])
+            .unwrap();
+    }
+    let fresh = state
+        .snapshot(CheckpointId(rounds + 1), dir.join("fresh"))
+        .run()
+        .unwrap();
+    let longest = longest.unwrap();
+    let groups = KeyGroups::new(128).unwrap();
+    let restore = |snapshot: &ExportedSnapshot, target: &Path| {
+        let started = Instant::now();
+        let restored = RocksStateBackend::restore(
+            &snapshot.dir,
+            &snapshot.manifest,
+            target,
+            StateConfig::default(),
+            groups,
+            OWNER,
+        )
+        .unwrap();
+        let elapsed = started.elapsed().as_secs_f64();
+        drop(restored);
+        std::fs::remove_dir_all(target).unwrap();
+        elapsed
+    };
+    let (mut long_times, mut fresh_times) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        long_times.push(restore(&longest, &dir.join(format!("r-long-{i}"))));
+        fresh_times.push(restore(&fresh, &dir.join(format!("r-fresh-{i}"))));
+    }
+    let (long, fresh_time) = (median(long_times), median(fresh_times));
+    println!(
+        "FIGURE state.restore_changelog_vs_materialized = {:.2} ratio goal <= 2 ({rounds} checkpoints of 1% of {keys} keys, {} materializations; the longest changelog: {} segments, {:.1} MiB beside {:.1} MiB of state, restored in {:.1} ms; from a fresh materialization {:.1} ms; verify + link + open + replay)",
+        long / fresh_time.max(1e-9),
+        state.materializations().unwrap_or(0),
+        longest.manifest.changelog.len(),
+        changelog_bytes(&longest) as f64 / f64::from(1 << 20),
+        (longest.manifest.total_bytes() - changelog_bytes(&longest)) as f64 / f64::from(1 << 20),
+        long * 1e3,
+        fresh_time * 1e3
     );
 }
 

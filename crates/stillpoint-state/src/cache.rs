@@ -2,10 +2,13 @@
 //!
 //! Writes land in a dirty map. At a barrier, [`CachedState::snapshot`] swaps the
 //! dirty map for an empty one — O(1), the task's whole stall — and returns a
-//! [`SnapshotJob`] that writes the frozen map into RocksDB (one SST per state, built
-//! in key order and ingested: no memtable), flushes whatever a spill left in the
-//! memtables and creates the RocksDB checkpoint wherever the caller runs it (the
-//! engine: another thread).
+//! [`SnapshotJob`] that exports it wherever the caller runs it (the engine: another
+//! thread). In changelog mode (the default, [`crate::ChangelogConfig`]) the job writes
+//! the frozen map as a changelog segment and into the memtable, and links the last
+//! materialization and the segments since into the snapshot directory; otherwise it
+//! writes the map into RocksDB (one SST per state, built in key order and ingested: no
+//! memtable), flushes whatever a spill left in the memtables and creates the RocksDB
+//! checkpoint.
 //!
 //! Reads are one hash probe: beside the dirty map (what changed since the last
 //! barrier, what the export writes and what scans merge) the cache keeps one hash map
@@ -16,9 +19,11 @@
 //! change set is what makes a barrier cost nothing on the read path: a checkpoints-off
 //! run and a checkpointing one serve the same reads from the same map.
 //!
-//! This crate spawns no threads; it shares the database and the frozen maps with the
-//! job (`Arc`), and a spill waits on a condition variable for in-flight jobs to create
-//! their checkpoints, so no post-barrier write can leak into an earlier checkpoint.
+//! The cache shares the database and the frozen maps with the job (`Arc`), and a
+//! spill waits on a condition variable for in-flight jobs to create their
+//! checkpoints, so no post-barrier write can leak into an earlier checkpoint (in
+//! changelog mode a spill is a segment too). The only thread this crate starts is a
+//! changelog's background materialization.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -27,15 +32,17 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use foldhash::HashMap;
-use rocksdb::{DB, FlushOptions};
+use rocksdb::DB;
 use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest};
 
+use crate::changelog::Changelog;
 use crate::rocks::{
     FieldValues, ScanVisitor, StoredWrite, decode_key, encode_key, group_bounds, ingest_stored,
     key_prefix, prefix_end,
 };
 use crate::snapshot::{
-    DigestCache, ManifestContext, SharedDigests, build_manifest, create_checkpoint,
+    DigestCache, ManifestContext, SharedDigests, build_manifest, create_checkpoint, flush_all,
+    write_manifest,
 };
 use crate::{KeyedState, RocksStateBackend, StateBatch, StateError};
 
@@ -291,6 +298,17 @@ pub struct CachedState {
     spare: Spare,
     spills: u64,
     pub(crate) timers: crate::timers::TimerIndex,
+    /// In changelog mode ([`crate::StateConfig::changelog`]), the task's changelog.
+    changelog: Option<SharedChangelog>,
+}
+
+type SharedChangelog = Arc<Mutex<Changelog>>;
+
+fn lock_changelog(
+    log: &SharedChangelog,
+) -> Result<std::sync::MutexGuard<'_, Changelog>, StateError> {
+    log.lock()
+        .map_err(|_| StateError::Poisoned("the changelog's lock was poisoned".into()))
 }
 
 /// The result of a [`SnapshotJob`].
@@ -329,6 +347,7 @@ pub struct SnapshotJob {
     /// What the cache let go of, freed here, off the task's path.
     retired: Garbage,
     spare: Spare,
+    changelog: Option<SharedChangelog>,
     done: bool,
 }
 
@@ -354,7 +373,13 @@ impl CachedState {
             spare: Spare::default(),
             spills: 0,
             timers: crate::timers::TimerIndex::default(),
+            changelog: None,
         };
+        cache.changelog = cache
+            .backend
+            .config
+            .changelog
+            .map(|config| Arc::new(Mutex::new(Changelog::new(config, &cache.backend.path))));
         for state in cache.backend.states() {
             cache.id(&state);
         }
@@ -493,7 +518,12 @@ impl CachedState {
             .sorted()
             .map(|((id, key), value)| (self.name(*id), key.as_slice(), value.as_deref()))
             .collect();
-        self.backend.write_stored(writes)?;
+        match &self.changelog {
+            Some(log) => {
+                lock_changelog(log)?.append(&self.backend.db, &self.backend.options, &writes)?;
+            }
+            None => self.backend.write_stored(writes)?,
+        }
         // The next dirty set reuses the spilled one's allocation.
         let mut values = dirty.values;
         values.clear();
@@ -537,6 +567,7 @@ impl CachedState {
             digests: Arc::clone(&self.digests),
             retired: std::mem::take(&mut self.retired),
             spare: Arc::clone(&self.spare),
+            changelog: self.changelog.clone(),
             done: false,
         }
     }
@@ -594,6 +625,23 @@ impl CachedState {
     /// Waits for every snapshot job created so far to finish its checkpoint.
     pub fn wait_for_snapshots(&self) -> Result<(), StateError> {
         self.progress.wait_checkpointed(self.next_seq - 1)
+    }
+
+    /// In changelog mode, how many materializations have been installed (the first
+    /// snapshot's included); `None` otherwise.
+    #[must_use]
+    pub fn materializations(&self) -> Option<u64> {
+        let log = self.changelog.as_ref()?;
+        lock_changelog(log).ok().map(|log| log.materializations)
+    }
+
+    /// In changelog mode, waits for a materialization running in the background and
+    /// installs it, so the next snapshot stands on it.
+    pub fn settle_materialization(&self) -> Result<(), StateError> {
+        if let Some(log) = &self.changelog {
+            lock_changelog(log)?.settle();
+        }
+        Ok(())
     }
 }
 
@@ -742,7 +790,14 @@ impl SnapshotJob {
                 value.as_deref(),
             )
         });
-        ingest_stored(&self.db, &self.options, self.compression, writes)?;
+        match &self.changelog {
+            // A segment, then the memtable: no SST per checkpoint for compaction.
+            Some(log) => {
+                let writes: Vec<StoredWrite<'_>> = writes.collect();
+                lock_changelog(log)?.append(&self.db, &self.options, &writes)?;
+            }
+            None => ingest_stored(&self.db, &self.options, self.compression, writes)?,
+        }
         self.progress
             .written
             .fetch_max(self.frozen.seq, Ordering::AcqRel);
@@ -751,18 +806,7 @@ impl SnapshotJob {
 
     fn flush(&self) -> Result<Duration, StateError> {
         let started = Instant::now();
-        // Every column family: the cache registered all existing states at start and
-        // every one written since, so no need to re-read RocksDB's MANIFEST here.
-        let handles: Vec<_> = std::iter::once("default")
-            .chain(self.names.iter().map(String::as_str))
-            .filter_map(|n| self.db.cf_handle(n))
-            .collect();
-        let refs: Vec<_> = handles.iter().collect();
-        let mut options = FlushOptions::default();
-        options.set_wait(true);
-        self.db
-            .flush_cfs_opt(&refs, &options)
-            .map_err(StateError::rocks("flushing"))?;
+        flush_all(&self.db, &self.names)?;
         Ok(started.elapsed())
     }
 
@@ -788,16 +832,42 @@ impl SnapshotJob {
         result
     }
 
+    /// The export: the frozen changes into RocksDB (and, in changelog mode, a
+    /// segment); then either the materialization installed or started and it and the
+    /// segments since linked into the directory, or a flush and a RocksDB checkpoint
+    /// there; then the manifest.
     fn export(&self, seq: u64) -> Result<ExportedSnapshot, StateError> {
         self.progress.wait_checkpointed(seq - 1)?;
         let write = self.write_batch()?;
-        let flush = self.flush()?;
         let started = Instant::now();
-        create_checkpoint(&self.db, &self.dir)?;
-        let checkpoint_time = started.elapsed();
+        let (flush, checkpoint_time, linked) = match &self.changelog {
+            Some(log) => {
+                let mut log = lock_changelog(log)?;
+                log.materialize(&self.db, &self.names, &self.digests)?;
+                let flush = started.elapsed();
+                let started = Instant::now();
+                let linked = log.link_into(&self.dir)?;
+                (flush, started.elapsed(), Some(linked))
+            }
+            None => {
+                let flush = self.flush()?;
+                let started = Instant::now();
+                create_checkpoint(&self.db, &self.dir)?;
+                (flush, started.elapsed(), None)
+            }
+        };
         self.progress.mark_checkpointed(seq);
         let started = Instant::now();
-        let manifest = build_manifest(&self.dir, self.checkpoint, &self.context, &self.digests)?;
+        let manifest = match linked {
+            Some(linked) => write_manifest(
+                &self.dir,
+                self.checkpoint,
+                &self.context,
+                linked.files,
+                linked.changelog,
+            )?,
+            None => build_manifest(&self.dir, self.checkpoint, &self.context, &self.digests)?,
+        };
         Ok(ExportedSnapshot {
             checkpoint: self.checkpoint,
             dir: self.dir.clone(),

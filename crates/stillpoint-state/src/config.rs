@@ -39,7 +39,8 @@ impl Compression {
 /// never from its live database, so a WAL would double every write for nothing. Writes
 /// between checkpoints live in the write-back cache (and memtables, when it spills),
 /// and each snapshot ingests its changes as SSTs and flushes what a spill left before
-/// it creates the RocksDB checkpoint.
+/// it creates the RocksDB checkpoint — or, with [`StateConfig::changelog`], writes them
+/// as a changelog segment and into the memtable, materializing in the background.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateConfig {
     /// Compression of levels 0..n-1. Default LZ4.
@@ -59,6 +60,10 @@ pub struct StateConfig {
     /// Over it, clean entries are evicted, then dirty ones spill to RocksDB. Default
     /// 256 MiB.
     pub cache_budget_bytes: usize,
+    /// Changelog checkpoints (the default): a snapshot is the last materialization
+    /// plus the changes since, written as segments, instead of a RocksDB checkpoint
+    /// with an SST of its changes. `None`: every snapshot is a RocksDB checkpoint.
+    pub changelog: Option<crate::ChangelogConfig>,
 }
 
 impl Default for StateConfig {
@@ -71,6 +76,7 @@ impl Default for StateConfig {
             bloom_bits_per_key: 10,
             background_jobs: 2,
             cache_budget_bytes: 256 << 20,
+            changelog: Some(crate::ChangelogConfig::default()),
         }
     }
 }
@@ -120,6 +126,15 @@ impl StateConfig {
                 self.bottommost_compression.name().into(),
             ),
             ("wal".into(), "disabled".into()),
+            (
+                "snapshots".into(),
+                if self.changelog.is_some() {
+                    "changelog"
+                } else {
+                    "rocksdb-checkpoint"
+                }
+                .into(),
+            ),
         ]
     }
 }

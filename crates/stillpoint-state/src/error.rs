@@ -79,6 +79,15 @@ pub enum StateError {
         /// The file.
         file: String,
     },
+    /// A changelog segment that does not decode: wrong magic, a length past its end, a
+    /// state name that is not UTF-8, or a checksum mismatch.
+    #[error("changelog segment {file} is corrupt: {problem}")]
+    CorruptSegment {
+        /// The segment file.
+        file: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// The manifest was written by another backend or for other key groups.
     #[error("snapshot cannot be restored here: {0}")]
     Incompatible(String),

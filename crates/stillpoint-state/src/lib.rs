@@ -28,6 +28,7 @@
 //! checkpoints are the durability boundary (see [`StateConfig`]).
 
 mod cache;
+mod changelog;
 mod config;
 mod error;
 mod keygroup;
@@ -38,6 +39,7 @@ mod typed;
 mod work_dir;
 
 pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
+pub use changelog::ChangelogConfig;
 pub use config::{Compression, StateConfig};
 pub use error::StateError;
 pub use keygroup::{KeyGroupRouter, KeyGroups, MAX_KEY_GROUPS};

@@ -14,6 +14,7 @@ use stillpoint_wire::{
     SnapshotManifest,
 };
 
+use crate::changelog::replay_segment;
 use crate::rocks::{StateOwner, column_family, group_bounds};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
@@ -78,6 +79,47 @@ pub(crate) struct ManifestContext {
     pub(crate) options: Vec<(String, String)>,
 }
 
+/// The files of `dir` with their SHA-256, an SST's computed once and remembered
+/// (digests of SSTs no longer in `dir` are forgotten: compacted away).
+pub(crate) fn hash_files(
+    dir: &Path,
+    digests: &SharedDigests,
+) -> Result<Vec<(String, u64, Sha256Digest)>, StateError> {
+    let listed = list_files(dir)?;
+    let mut files = Vec::with_capacity(listed.len());
+    for (name, size) in listed {
+        let cached = if is_sst(&name) {
+            digests
+                .lock()
+                .ok()
+                .and_then(|d| d.by_name.get(&name).copied())
+        } else {
+            None
+        };
+        let sha256 = match cached {
+            Some((cached_size, digest)) if cached_size == size => digest,
+            _ => {
+                let digest = hash_file(&dir.join(&name))?;
+                if is_sst(&name)
+                    && let Ok(mut d) = digests.lock()
+                {
+                    d.by_name.insert(name.clone(), (size, digest));
+                }
+                digest
+            }
+        };
+        files.push((name, size, sha256));
+    }
+    if let Ok(mut d) = digests.lock() {
+        d.by_name.retain(|name, _| {
+            files
+                .binary_search_by(|(n, _, _)| n.as_str().cmp(name))
+                .is_ok()
+        });
+    }
+    Ok(files)
+}
+
 /// Builds (and writes into `dir`) the manifest of the checkpoint in `dir`.
 pub(crate) fn build_manifest(
     dir: &Path,
@@ -85,53 +127,41 @@ pub(crate) fn build_manifest(
     context: &ManifestContext,
     digests: &SharedDigests,
 ) -> Result<SnapshotManifest, StateError> {
-    let listed = list_files(dir)?;
-    let mut files = Vec::with_capacity(listed.len());
+    let hashed = hash_files(dir, digests)?;
     let previous = digests
         .lock()
         .map(|d| d.previous.clone())
         .unwrap_or_default();
-    for (name, size) in &listed {
-        let cached = if is_sst(name) {
-            digests
-                .lock()
-                .ok()
-                .and_then(|d| d.by_name.get(name).copied())
-        } else {
-            None
-        };
-        let sha256 = match cached {
-            Some((cached_size, digest)) if cached_size == *size => digest,
-            _ => {
-                let digest = hash_file(&dir.join(name))?;
-                if is_sst(name)
-                    && let Ok(mut d) = digests.lock()
-                {
-                    d.by_name.insert(name.clone(), (*size, digest));
-                }
-                digest
-            }
-        };
+    let mut files = Vec::with_capacity(hashed.len());
+    for (name, size, sha256) in &hashed {
         let path = RelativePath::new(name.as_str()).map_err(|problem| {
             StateError::Incompatible(format!("file name {name:?}: {problem}"))
         })?;
         files.push(SnapshotFile {
             path,
             size: *size,
-            sha256,
+            sha256: *sha256,
             shared: is_sst(name) && previous.contains(name),
         });
     }
     if let Ok(mut d) = digests.lock() {
-        let current: BTreeSet<String> = listed
+        d.previous = hashed
             .iter()
-            .map(|(n, _)| n.clone())
+            .map(|(n, _, _)| n.clone())
             .filter(|n| is_sst(n))
             .collect();
-        // Forget digests of SSTs no snapshot references any more (compacted away).
-        d.by_name.retain(|name, _| current.contains(name));
-        d.previous = current;
     }
+    write_manifest(dir, checkpoint, context, files, Vec::new())
+}
+
+/// Assembles the manifest of `files` and writes it into `dir` for local recovery.
+pub(crate) fn write_manifest(
+    dir: &Path,
+    checkpoint: CheckpointId,
+    context: &ManifestContext,
+    files: Vec<SnapshotFile>,
+    changelog: Vec<RelativePath>,
+) -> Result<SnapshotManifest, StateError> {
     let mut options: BTreeMap<String, String> = context.options.iter().cloned().collect();
     options.insert(
         "key_encoding".into(),
@@ -149,11 +179,27 @@ pub(crate) fn build_manifest(
             options,
         },
         files,
+        changelog,
     };
     let bytes = manifest.to_bytes()?;
     let local = dir.join(LOCAL_MANIFEST);
     std::fs::write(&local, bytes).map_err(StateError::io("writing", &local))?;
     Ok(manifest)
+}
+
+/// Flushes the memtables of every column family of `names` (and `default`) together.
+pub(crate) fn flush_all(db: &DB, names: &[String]) -> Result<(), StateError> {
+    // Every column family: the cache registered all existing states at start and
+    // every one written since, so no need to re-read RocksDB's MANIFEST here.
+    let handles: Vec<_> = std::iter::once("default")
+        .chain(names.iter().map(String::as_str))
+        .filter_map(|n| db.cf_handle(n))
+        .collect();
+    let refs: Vec<_> = handles.iter().collect();
+    let mut options = rocksdb::FlushOptions::default();
+    options.set_wait(true);
+    db.flush_cfs_opt(&refs, &options)
+        .map_err(StateError::rocks("flushing"))
 }
 
 /// Checks every file of `manifest` in `dir`: present, same size, same SHA-256; and no
@@ -201,9 +247,9 @@ pub fn verify_snapshot(dir: &Path, manifest: &SnapshotManifest) -> Result<(), St
     Ok(())
 }
 
-/// Hard-links (or copies, across file systems) the files of a verified snapshot into
-/// a fresh database directory: RocksDB never opens the snapshot itself, which stays
-/// intact for the next restore.
+/// Hard-links (or copies, across file systems) the database files of a verified
+/// snapshot (not its changelog segments) into a fresh database directory: RocksDB
+/// never opens the snapshot itself, which stays intact for the next restore.
 fn materialize(dir: &Path, manifest: &SnapshotManifest, target: &Path) -> Result<(), StateError> {
     if target.exists() {
         return Err(StateError::Io {
@@ -216,7 +262,11 @@ fn materialize(dir: &Path, manifest: &SnapshotManifest, target: &Path) -> Result
         });
     }
     std::fs::create_dir_all(target).map_err(StateError::io("creating", target))?;
-    for file in &manifest.files {
+    for file in manifest
+        .files
+        .iter()
+        .filter(|f| !manifest.changelog.contains(&f.path))
+    {
         let from = dir.join(file.path.as_str());
         let to = target.join(file.path.as_str());
         if std::fs::hard_link(&from, &to).is_err() {
@@ -251,7 +301,31 @@ impl RocksStateBackend {
         check_restorable(manifest, key_groups)?;
         verify_snapshot(snapshot_dir, manifest)?;
         materialize(snapshot_dir, manifest, target.as_ref())?;
-        Self::open(target, config, key_groups, manifest.key_groups, owner)
+        let backend = Self::open(target, config, key_groups, manifest.key_groups, owner)?;
+        backend.replay(snapshot_dir, manifest, manifest.key_groups)?;
+        Ok(backend)
+    }
+
+    /// Replays the changelog segments of the snapshot in `dir`, oldest first, keeping
+    /// the key groups `keep`.
+    fn replay(
+        &self,
+        dir: &Path,
+        manifest: &SnapshotManifest,
+        keep: KeyGroupRange,
+    ) -> Result<(), StateError> {
+        let mut entries = 0;
+        for segment in &manifest.changelog {
+            entries += replay_segment(&self.db, &self.options, &dir.join(segment.as_str()), keep)?;
+        }
+        if !manifest.changelog.is_empty() {
+            tracing::debug!(
+                segments = manifest.changelog.len(),
+                entries,
+                "changelog replayed"
+            );
+        }
+        Ok(())
     }
 
     /// Restores a task owning `range` from the snapshots of the old tasks (any
@@ -283,6 +357,7 @@ impl RocksStateBackend {
                 materialize(dir, manifest, target)?;
                 let backend = Self::open(target, config.clone(), key_groups, range, owner)?;
                 backend.clip_to(range)?;
+                backend.replay(dir, manifest, range)?;
                 backend
             }
             None => Self::open(target, config.clone(), key_groups, range, owner)?,
@@ -302,6 +377,7 @@ impl RocksStateBackend {
                 backend.ingest_from(&source_dir, part, &scratch.join(format!("sst-{index}")));
             let _ = std::fs::remove_dir_all(&source_dir);
             result?;
+            backend.replay(dir, manifest, part)?;
         }
         let _ = std::fs::remove_dir_all(&scratch);
         Ok(backend)

@@ -100,14 +100,22 @@ fn check_exported(root: &std::path::Path, pending: Pending, n: usize) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(36))]
 
     #[test]
-    fn cache_matches_the_model_and_snapshots_match_their_barrier(ops in prop::collection::vec(op(), 1..300)) {
+    /// `mode`: 0 every snapshot a RocksDB checkpoint; 1 changelog snapshots (one
+    /// materialization, then segments); 2 changelog snapshots with a background
+    /// materialization started at every snapshot, racing later segments and spills.
+    fn cache_matches_the_model_and_snapshots_match_their_barrier(mode in 0_u8..3, ops in prop::collection::vec(op(), 1..300)) {
         let root = tempfile::tempdir().unwrap();
         let groups = KeyGroups::new(16).unwrap();
         let owner = StateOwner { stream: StreamId(1), task: TaskId(1) };
-        let config = StateConfig { cache_budget_bytes: 16 << 10, block_cache_bytes: 1 << 20, write_buffer_bytes: 1 << 20, ..StateConfig::default() };
+        let changelog = match mode {
+            0 => None,
+            1 => Some(ChangelogConfig::default()),
+            _ => Some(ChangelogConfig { materialize_interval: std::time::Duration::ZERO, materialize_bytes: 0 }),
+        };
+        let config = StateConfig { cache_budget_bytes: 16 << 10, block_cache_bytes: 1 << 20, write_buffer_bytes: 1 << 20, changelog, ..StateConfig::default() };
         let backend = RocksStateBackend::open(root.path().join("db"), config, groups, groups.all(), owner).unwrap();
         let mut state = CachedState::new(backend);
         let mut model = Model::new();

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use stillpoint_state::*;
 use stillpoint_wire::{CheckpointId, KeyGroupRange, SnapshotManifest, StreamId, TaskId};
@@ -27,15 +28,20 @@ fn small_config() -> StateConfig {
     }
 }
 
+/// Every snapshot a RocksDB checkpoint of its own (no changelog).
+fn checkpoint_config() -> StateConfig {
+    StateConfig {
+        changelog: None,
+        ..small_config()
+    }
+}
+
 fn open(dir: &Path, range: KeyGroupRange) -> RocksStateBackend {
-    RocksStateBackend::open(
-        dir,
-        small_config(),
-        KeyGroups::new(128).unwrap(),
-        range,
-        OWNER,
-    )
-    .unwrap()
+    open_with(dir, range, small_config())
+}
+
+fn open_with(dir: &Path, range: KeyGroupRange, config: StateConfig) -> RocksStateBackend {
+    RocksStateBackend::open(dir, config, KeyGroups::new(128).unwrap(), range, OWNER).unwrap()
 }
 
 fn all() -> KeyGroupRange {
@@ -352,12 +358,35 @@ fn parallel_snapshots(
     for index in 0..parallelism {
         let range = groups.range_of(parallelism, index).unwrap();
         let mut state = CachedState::new(open(&dir.join(format!("old-{index}")), range));
-        for i in 0..keys {
+        let owned = |i: &u32| range.contains(groups.of(&i.to_le_bytes()));
+        for i in (0..keys / 2).filter(owned) {
             let key = i.to_le_bytes();
-            if range.contains(groups.of(&key)) {
-                let value = format!("v{i}").into_bytes();
+            let value = format!("v{i}").into_bytes();
+            state.put("s", &key, b"", &value).unwrap();
+            state.put("t", &key, b"f", b"x").unwrap();
+            model.insert(key.to_vec(), value);
+        }
+        // The first snapshot materializes; the second is that plus a changelog
+        // segment of new keys, overwrites and deletes.
+        state
+            .snapshot(CheckpointId(2), dir.join(format!("first-{index}")))
+            .run()
+            .unwrap();
+        for i in (keys / 2..keys).filter(owned) {
+            let key = i.to_le_bytes();
+            let value = format!("v{i}").into_bytes();
+            state.put("s", &key, b"", &value).unwrap();
+            state.put("t", &key, b"f", b"x").unwrap();
+            model.insert(key.to_vec(), value);
+        }
+        for i in (0..keys / 2).filter(owned) {
+            let key = i.to_le_bytes();
+            if i % 7 == 0 {
+                state.delete("s", &key, b"").unwrap();
+                model.remove(key.as_slice());
+            } else if i % 5 == 0 {
+                let value = format!("w{i}").into_bytes();
                 state.put("s", &key, b"", &value).unwrap();
-                state.put("t", &key, b"f", b"x").unwrap();
                 model.insert(key.to_vec(), value);
             }
         }
@@ -365,6 +394,10 @@ fn parallel_snapshots(
             .snapshot(CheckpointId(3), dir.join(format!("ckpt-{index}")))
             .run()
             .unwrap();
+        assert!(
+            !exported.manifest.changelog.is_empty(),
+            "the rescaled snapshot replays a changelog"
+        );
         snapshots.push((exported.dir, exported.manifest));
     }
     (snapshots, model)
@@ -470,7 +503,11 @@ fn a_job_dropped_unrun_still_writes_its_batch() {
 #[test]
 fn an_export_ingests_its_changes_and_leaves_no_file_behind() {
     let dir = tempfile::tempdir().unwrap();
-    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    let mut state = CachedState::new(open_with(
+        &dir.path().join("db"),
+        all(),
+        checkpoint_config(),
+    ));
     for i in 0..3_000_u32 {
         state.put("a", &i.to_le_bytes(), b"", &[1; 40]).unwrap();
         state.put("b", &i.to_le_bytes(), b"f1", b"x").unwrap();
@@ -511,27 +548,6 @@ fn an_export_ingests_its_changes_and_leaves_no_file_behind() {
     assert_eq!(
         (dump(&restored, "a", all()), dump(&restored, "b", all())),
         expected
-    );
-}
-
-#[test]
-fn an_export_that_cannot_stage_its_ssts_fails_naming_the_directory() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
-    state.put("s", b"k", b"", b"v").unwrap();
-    // Where the SSTs are built is a file: the export cannot create it.
-    std::fs::write(dir.path().join("db/stillpoint-ingest"), b"in the way").unwrap();
-    let error = state
-        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
-        .run()
-        .unwrap_err();
-    assert!(
-        matches!(&error, StateError::Io { path, .. } if path.ends_with("stillpoint-ingest")),
-        "{error}"
-    );
-    assert!(
-        !dir.path().join("ckpt-1").exists(),
-        "no partial snapshot directory"
     );
 }
 
@@ -583,17 +599,39 @@ fn restored_and_reopened_states_keep_the_tuned_options() {
 
 #[test]
 fn a_failed_checkpoint_directory_fails_that_snapshot_only() {
+    for config in [checkpoint_config(), small_config()] {
+        a_failed_checkpoint_directory_fails_that_snapshot_only_with(config);
+    }
+}
+
+fn a_failed_checkpoint_directory_fails_that_snapshot_only_with(config: StateConfig) {
+    let changelog = config.changelog.is_some();
     let dir = tempfile::tempdir().unwrap();
-    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+    if changelog {
+        // A materialization exists: the failure is the snapshot's directory alone.
+        state.put("s", b"z", b"", b"0").unwrap();
+        state
+            .snapshot(CheckpointId(0), dir.path().join("ckpt-0"))
+            .run()
+            .unwrap();
+    }
     state.put("s", b"a", b"", b"1").unwrap();
     // The directory exists already (an aborted checkpoint's, being removed, say):
-    // RocksDB cannot create the checkpoint there.
+    // RocksDB cannot create the checkpoint there, nor the changelog link into it.
     std::fs::create_dir_all(dir.path().join("ckpt-1/in-the-way")).unwrap();
     let error = state
         .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
         .run()
         .unwrap_err();
-    assert!(matches!(error, StateError::Rocks { .. }), "{error}");
+    if changelog {
+        assert!(
+            matches!(&error, StateError::Io { path, .. } if path.ends_with("ckpt-1")),
+            "{error}"
+        );
+    } else {
+        assert!(matches!(error, StateError::Rocks { .. }), "{error}");
+    }
     // The changes reached RocksDB: the next snapshot holds them, nothing is poisoned.
     state.put("s", b"b", b"", b"2").unwrap();
     let exported = state
@@ -603,4 +641,149 @@ fn a_failed_checkpoint_directory_fails_that_snapshot_only() {
     let restored = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap();
     assert_eq!(restored.get("s", b"a", b"").unwrap(), Some(b"1".to_vec()));
     assert_eq!(restored.get("s", b"b", b"").unwrap(), Some(b"2".to_vec()));
+}
+
+/// Changelog mode end to end: every snapshot restores to exactly the state at its
+/// barrier while materializations start at every checkpoint (interval zero) and finish
+/// in the background, and a snapshot taken after one is installed replays only the
+/// segments written after it began.
+#[test]
+fn changelog_snapshots_restore_their_barrier_across_background_materializations() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StateConfig {
+        changelog: Some(ChangelogConfig {
+            materialize_interval: Duration::ZERO,
+            materialize_bytes: u64::MAX,
+        }),
+        ..small_config()
+    };
+    let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+    let mut longest_changelog = 0;
+    for round in 0..24_u32 {
+        for i in 0..400_u32 {
+            let key = (i * 7 + round * 13) % 1_000;
+            if (i + round) % 9 == 0 {
+                state.delete("s", &key.to_le_bytes(), b"").unwrap();
+            } else {
+                state
+                    .put(
+                        "s",
+                        &key.to_le_bytes(),
+                        b"",
+                        format!("{round}-{i}").as_bytes(),
+                    )
+                    .unwrap();
+            }
+            state
+                .put("m", &(key % 50).to_le_bytes(), &i.to_le_bytes(), b"f")
+                .unwrap();
+        }
+        if round % 6 == 5 {
+            state.settle_materialization().unwrap();
+        }
+        let expected = (dump(&state, "s", all()), dump(&state, "m", all()));
+        let exported = state
+            .snapshot(
+                CheckpointId(u64::from(round) + 1),
+                dir.path().join(format!("ckpt-{round}")),
+            )
+            .run()
+            .unwrap();
+        if round % 6 == 5 {
+            assert_eq!(
+                exported.manifest.changelog.len(),
+                1,
+                "after a settled materialization only the newest segment is replayed"
+            );
+        }
+        longest_changelog = longest_changelog.max(exported.manifest.changelog.len());
+        // Writes after the barrier never reach the snapshot.
+        state.put("s", b"late", b"", b"after the barrier").unwrap();
+        state.delete("s", b"late", b"").unwrap();
+        let restored = restore(
+            dir.path(),
+            &(exported.dir, exported.manifest),
+            &format!("r-{round}"),
+        )
+        .unwrap();
+        assert_eq!(
+            (dump(&restored, "s", all()), dump(&restored, "m", all())),
+            expected,
+            "round {round}"
+        );
+    }
+    assert!(
+        state.materializations().unwrap() >= 4,
+        "materializations: {:?}",
+        state.materializations()
+    );
+    assert!(
+        longest_changelog >= 1,
+        "some snapshots replayed a changelog"
+    );
+}
+
+/// A changelog segment damaged after the snapshot was taken is refused by the
+/// verified restore, naming the segment, before anything is opened.
+#[test]
+fn a_damaged_changelog_segment_is_refused_at_restore() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut state = CachedState::new(open(&dir.path().join("db"), all()));
+    state.put("s", b"a", b"", b"1").unwrap();
+    state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap();
+    state.put("s", b"b", b"", b"2").unwrap();
+    let exported = state
+        .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+        .run()
+        .unwrap();
+    let segment = exported.manifest.changelog[0].as_str().to_owned();
+    let path = exported.dir.join(&segment);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::remove_file(&path).unwrap(); // a hard link: leave the original alone
+    std::fs::write(&path, bytes).unwrap();
+    let error = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap_err();
+    assert!(
+        matches!(&error, StateError::ChecksumMismatch { file, .. } if *file == segment),
+        "{error}"
+    );
+    assert!(!dir.path().join("r").exists(), "nothing opened");
+}
+
+/// Changes that cannot be written — the SSTs' staging directory, or in changelog mode
+/// the segment's, is a file — fail the export naming where, leave no snapshot
+/// directory, and poison the cache: the changes are in neither RocksDB nor a
+/// changelog, so no later snapshot may stand without them.
+#[test]
+fn an_export_that_cannot_write_its_changes_fails_naming_the_directory_and_poisons() {
+    for (config, blocked) in [
+        (checkpoint_config(), "stillpoint-ingest"),
+        (small_config(), "stillpoint-changelog"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+        state.put("s", b"k", b"", b"v").unwrap();
+        std::fs::write(dir.path().join("db").join(blocked), b"in the way").unwrap();
+        let error = state
+            .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+            .run()
+            .unwrap_err();
+        assert!(
+            matches!(&error, StateError::Io { path, .. } if path.ends_with(blocked)),
+            "{error}"
+        );
+        assert!(
+            !dir.path().join("ckpt-1").exists(),
+            "{blocked}: no partial snapshot directory"
+        );
+        let next = state
+            .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+            .run()
+            .unwrap_err();
+        assert!(matches!(next, StateError::Poisoned(_)), "{blocked}: {next}");
+    }
 }

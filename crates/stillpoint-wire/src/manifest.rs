@@ -94,6 +94,9 @@ pub enum ManifestError {
     /// Two files with the same path.
     #[error("file {0} is listed twice")]
     DuplicatePath(RelativePath),
+    /// A changelog segment that is not among the files, or listed twice.
+    #[error("changelog segment {0} is not a file of the snapshot, or is listed twice")]
+    BadChangelog(RelativePath),
     /// Two entries for the same task.
     #[error("{0} is listed twice")]
     DuplicateTask(TaskId),
@@ -246,6 +249,11 @@ pub struct SnapshotManifest {
     pub backend: BackendInfo,
     /// Every file, each path at most once.
     pub files: Vec<SnapshotFile>,
+    /// Changelog segments (each also in `files`), oldest first: a restore opens the
+    /// other files as the materialized database, then replays these in order.
+    /// Empty for a snapshot that is a database alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub changelog: Vec<RelativePath>,
 }
 
 /// Where one task's snapshot manifest of a checkpoint is, and how to check it.
@@ -342,6 +350,8 @@ struct SnapshotManifestDoc {
     key_groups: KeyGroupRange,
     backend: BackendInfo,
     files: Vec<SnapshotFileDoc>,
+    #[serde(default)]
+    changelog: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -472,6 +482,12 @@ impl SnapshotManifest {
                 })
             })
             .collect::<Result<_, ManifestError>>()?;
+        let changelog = doc
+            .changelog
+            .into_iter()
+            .enumerate()
+            .map(|(index, path)| parse_path(|| format!("changelog[{index}]"), path))
+            .collect::<Result<_, ManifestError>>()?;
         let manifest = Self {
             stream: doc.stream,
             task: doc.task,
@@ -480,19 +496,27 @@ impl SnapshotManifest {
             key_groups: doc.key_groups,
             backend: doc.backend,
             files,
+            changelog,
         };
         manifest.validate()?;
         Ok(manifest)
     }
 
     /// Checks the rules a parsed manifest obeys: key groups within the maximum
-    /// parallelism, no file listed twice.
+    /// parallelism, no file listed twice, every changelog segment one of the files
+    /// and listed once.
     pub fn validate(&self) -> Result<(), ManifestError> {
         self.key_groups.check(self.max_parallelism)?;
         let mut seen = BTreeSet::new();
         for file in &self.files {
             if !seen.insert(&file.path) {
                 return Err(ManifestError::DuplicatePath(file.path.clone()));
+            }
+        }
+        for segment in &self.changelog {
+            // Each one taken out of `seen` once: a second mention is not found.
+            if !seen.remove(segment) {
+                return Err(ManifestError::BadChangelog(segment.clone()));
             }
         }
         Ok(())

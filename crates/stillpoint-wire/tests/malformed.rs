@@ -263,6 +263,10 @@ fn snapshot_body(files: &str, key_groups: &str) -> String {
     )
 }
 
+fn with_changelog(body: &str, segments: &str) -> String {
+    format!(r#"{},"changelog":[{segments}]}}"#, &body[..body.len() - 1])
+}
+
 fn file(path: &str) -> String {
     format!(r#"{{"path":"{path}","size":10,"sha256":"{DIGEST}","shared":false}}"#)
 }
@@ -339,13 +343,17 @@ fn malformed_snapshot_manifests_give_exact_errors() {
         ("future version", seal(SNAP, 2, &good_body), Err(ManifestError::UnsupportedVersion { found: 2, supported: 1 })),
         ("checksum not hex", format!(r#"{{"format":"{SNAP}","version":1,"sha256":"xyz","body":{good_body}}}"#).into_bytes(), Err(ManifestError::InvalidChecksum(DigestParseError::WrongLength(3)))),
         ("body changed after sealing", tampered, Err(ManifestError::ChecksumMismatch { expected: Sha256Digest::of(good_body.as_bytes()), computed: tampered_body_digest })),
-        ("unknown body field", seal(SNAP, 1, &good_body.replacen('{', r#"{"extra":1,"#, 1)), Err(ManifestError::Malformed { part: "body", line: 1, column: 8, message: "unknown field `extra`, expected one of `stream`, `task`, `checkpoint`, `max_parallelism`, `key_groups`, `backend`, `files`".into() })),
+        ("unknown body field", seal(SNAP, 1, &good_body.replacen('{', r#"{"extra":1,"#, 1)), Err(ManifestError::Malformed { part: "body", line: 1, column: 8, message: "unknown field `extra`, expected one of `stream`, `task`, `checkpoint`, `max_parallelism`, `key_groups`, `backend`, `files`, `changelog`".into() })),
         ("file digest too short", seal(SNAP, 1, &short_digest), Err(ManifestError::Malformed { part: "body", line: 1, column: column_after(&short_digest, r#""abc""#), message: "a SHA-256 digest is 64 hex characters, found 3".into() })),
         ("parent path", seal(SNAP, 1, &snapshot_body(&format!("{},{}", file("a.sst"), file("../../etc/cron.d/x")), kg)), bad_path("files[1].path", "../../etc/cron.d/x", PathProblem::ParentComponent)),
         ("absolute path", seal(SNAP, 1, &snapshot_body(&file("/etc/passwd"), kg)), bad_path("files[0].path", "/etc/passwd", PathProblem::Absolute)),
         ("path with backslash", seal(SNAP, 1, &snapshot_body(&file(r"..\\x"), kg)), bad_path("files[0].path", r"..\x", PathProblem::Backslash)),
         ("drive path", seal(SNAP, 1, &snapshot_body(&file("C:/x"), kg)), bad_path("files[0].path", "C:/x", PathProblem::DrivePrefix)),
         ("file listed twice", seal(SNAP, 1, &snapshot_body(&format!("{},{}", file("a.sst"), file("a.sst")), kg)), Err(ManifestError::DuplicatePath(RelativePath::new("a.sst").unwrap()))),
+        ("changelog segment that is a file", seal(SNAP, 1, &with_changelog(&snapshot_body(&format!("{},{}", file("a.sst"), file("changelog-1.seg")), kg), r#""changelog-1.seg""#)), Ok(())),
+        ("changelog segment not among the files", seal(SNAP, 1, &with_changelog(&good_body, r#""changelog-1.seg""#)), Err(ManifestError::BadChangelog(RelativePath::new("changelog-1.seg").unwrap()))),
+        ("changelog segment listed twice", seal(SNAP, 1, &with_changelog(&snapshot_body(&file("changelog-1.seg"), kg), r#""changelog-1.seg","changelog-1.seg""#)), Err(ManifestError::BadChangelog(RelativePath::new("changelog-1.seg").unwrap()))),
+        ("changelog segment outside the snapshot", seal(SNAP, 1, &with_changelog(&good_body, r#""../x.seg""#)), bad_path("changelog[0]", "../x.seg", PathProblem::ParentComponent)),
         ("reversed key groups", seal(SNAP, 1, &snapshot_body(&file("a.sst"), r#"{"start":9,"end":3}"#)), Err(ManifestError::InvalidKeyGroups { start: 9, end: 3, max_parallelism: 128 })),
         ("key groups past max parallelism", seal(SNAP, 1, &snapshot_body(&file("a.sst"), r#"{"start":0,"end":129}"#)), Err(ManifestError::InvalidKeyGroups { start: 0, end: 129, max_parallelism: 128 })),
         ("over the size limit", vec![b' '; MAX_MANIFEST_LEN + 1], Err(ManifestError::TooLarge { len: MAX_MANIFEST_LEN + 1, max: MAX_MANIFEST_LEN })),

@@ -257,6 +257,12 @@ fn snapshot_manifest() -> impl Strategy<Value = SnapshotManifest> {
         .prop_map(
             |(stream, task, checkpoint, max, (a, b), kind, version, options, files)| {
                 let (start, end) = (a % (max + 1), b % (max + 1));
+                // Some files are changelog segments: those not shared, in path order.
+                let changelog = files
+                    .iter()
+                    .filter(|(_, (_, _, shared))| !*shared)
+                    .map(|(path, _)| path.clone())
+                    .collect();
                 SnapshotManifest {
                     stream: StreamId(stream),
                     task: TaskId(task),
@@ -280,6 +286,7 @@ fn snapshot_manifest() -> impl Strategy<Value = SnapshotManifest> {
                             shared,
                         })
                         .collect(),
+                    changelog,
                 }
             },
         )

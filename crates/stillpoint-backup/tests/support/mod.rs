@@ -214,6 +214,7 @@ pub fn snapshot(
             options: Default::default(),
         },
         files,
+        changelog: Vec::new(),
     }
 }
 

@@ -17,8 +17,11 @@
 //! - every checkpoint completes or aborts within its timeout (no deadlock), and the
 //!   job finishes its input;
 //! - exactly once: the sinks' committed output and the aggregates' state equal those
-//!   of a failure-free run.
+//!   of a failure-free run — the aggregates' snapshots being changelog ones (a
+//!   materialization finishing in the background plus segments replayed over it,
+//!   [`changelog`]), so a restore that lost or misordered a segment fails it.
 
+mod changelog;
 mod cluster;
 mod rng;
 mod topology;
@@ -232,8 +235,11 @@ enum SourceItem {
 /// What a snapshot holds, by level.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum State {
-    Source { offset: u64 },
-    Aggregate { applied: BTreeMap<TaskId, u64> },
+    Source {
+        offset: u64,
+    },
+    /// An aggregate's snapshot is a changelog one: see [`changelog`].
+    Aggregate(changelog::Changelogged),
     Sink,
 }
 
@@ -254,6 +260,7 @@ struct SimTask {
     offset: u64,
     input: VecDeque<SourceItem>,
     applied: BTreeMap<TaskId, u64>,
+    changelog: changelog::ChangelogModel,
     sink_buffer: Vec<Record>,
     // Invariant bookkeeping.
     last_barrier_sent: u64,
@@ -422,7 +429,7 @@ impl World {
             }
             let (offset, applied) = match state {
                 Some(State::Source { offset }) => (offset, BTreeMap::new()),
-                Some(State::Aggregate { applied }) => (0, applied),
+                Some(State::Aggregate(snapshot)) => (0, snapshot.replayed()),
                 _ => (0, BTreeMap::new()),
             };
             if level == TaskLevel::Sink {
@@ -443,6 +450,7 @@ impl World {
                     offset,
                     input: VecDeque::new(),
                     applied,
+                    changelog: changelog::ChangelogModel::default(),
                     sink_buffer: Vec::new(),
                     last_barrier_sent: 0,
                     max_tag_since_snapshot: 0,
@@ -806,9 +814,9 @@ impl World {
                             offset: sim.offset - queued,
                         }
                     }
-                    TaskLevel::Aggregate => State::Aggregate {
-                        applied: sim.applied.clone(),
-                    },
+                    TaskLevel::Aggregate => {
+                        State::Aggregate(sim.changelog.snapshot(&sim.applied, now, &mut self.rng))
+                    }
                     TaskLevel::Sink => {
                         let records = std::mem::take(&mut sim.sink_buffer);
                         self.sink_txns

@@ -1,0 +1,696 @@
+//! Changelog checkpoints (the idea of Flink's changelog state backend): at a barrier
+//! the frozen change set is written as one sorted, checksummed *segment* and goes to
+//! RocksDB's memtable — no flush, no SST per checkpoint, nothing for compaction to
+//! merge. The checkpoint is the last *materialization* (a RocksDB checkpoint, taken
+//! in the background every [`ChangelogConfig::materialize_interval`] or once the
+//! segments since the last one pass [`ChangelogConfig::materialize_bytes`]) plus the
+//! segments written after it began. Restore opens the materialization and replays the
+//! segments in order.
+//!
+//! Segments hold absolute values (a put of the key's value, or its delete), never
+//! deltas, so replaying one whose changes the materialization already holds changes
+//! nothing: a materialization may run while later segments go on being written, and
+//! covers at least every segment written before it began.
+//!
+//! Segment format (little-endian): the magic `SPCHLOG1`; per state, `0x01`, the
+//! state's name (u64 length, UTF-8), its entry count (u64), then each entry in stored
+//! key order: the stored key (u64 length, bytes), `0x01` and the value (u64 length,
+//! bytes) for a put or `0x00` for a delete; then `0x00`; then the CRC32C of every
+//! byte before it (u32).
+
+use std::collections::BTreeSet;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::time::{Duration, Instant};
+
+use rocksdb::DB;
+use stillpoint_wire::{KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile};
+
+use crate::StateError;
+use crate::rocks::{StoredWrite, write_stored};
+use crate::snapshot::{SharedDigests, create_checkpoint, flush_all, hash_files};
+
+/// When a task's changelog is materialized (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChangelogConfig {
+    /// Start a materialization at least this long after the last one started.
+    /// Default 60 s: a restore replays at most about this much of changes.
+    pub materialize_interval: Duration,
+    /// ... or once the segments not yet materialized hold this many bytes. Default
+    /// 256 MiB. A changelog also materializes once it is as large as its last
+    /// materialization (and at least 4 MiB), so a restore never reads much more than
+    /// twice the state, and once 64 segments wait (each snapshot lists them all).
+    pub materialize_bytes: u64,
+}
+
+impl Default for ChangelogConfig {
+    fn default() -> Self {
+        Self {
+            materialize_interval: Duration::from_secs(60),
+            materialize_bytes: 256 << 20,
+        }
+    }
+}
+
+const MAGIC: &[u8; 8] = b"SPCHLOG1";
+const STATE_BLOCK: u8 = 1;
+const END: u8 = 0;
+const PUT: u8 = 1;
+const DELETE: u8 = 0;
+/// A changelog as large as its materialization (and at least this) is due for one
+/// whatever the interval: a restore then reads at most about twice the state.
+const OUTGROWN_FLOOR: u64 = 4 << 20;
+/// Segments a snapshot lists at most before a materialization is due: each snapshot
+/// links and lists every segment since the materialization, so their number is the
+/// per-checkpoint cost that grows between materializations.
+const MAX_SEGMENTS: usize = 64;
+/// Entries replayed per RocksDB write batch.
+const REPLAY_BATCH: usize = 16_384;
+
+/// The directory of a database's changelog: inside it, where RocksDB ignores what it
+/// did not name and a RocksDB checkpoint links only its own files.
+pub(crate) fn changelog_dir(db_path: &Path) -> PathBuf {
+    db_path.join("stillpoint-changelog")
+}
+
+fn len_bytes(len: usize) -> [u8; 8] {
+    u64::try_from(len).unwrap_or(u64::MAX).to_le_bytes()
+}
+
+fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&len_bytes(bytes.len()));
+    out.extend_from_slice(bytes);
+}
+
+/// Encodes `writes` — sorted by state, then stored key, each key once — as a segment.
+pub(crate) fn encode_segment(writes: &[StoredWrite<'_>]) -> Vec<u8> {
+    let payload: usize = writes
+        .iter()
+        .map(|(_, key, value)| 17 + key.len() + value.map_or(0, <[u8]>::len))
+        .sum();
+    let mut out = Vec::with_capacity(payload + 64);
+    out.extend_from_slice(MAGIC);
+    let mut current: Option<(&str, usize, u64)> = None;
+    let patch = |out: &mut Vec<u8>, at: usize, count: u64| {
+        if let Some(slot) = out.get_mut(at..at + 8) {
+            slot.copy_from_slice(&count.to_le_bytes());
+        }
+    };
+    for &(state, key, value) in writes {
+        match &mut current {
+            Some((name, _, count)) if *name == state => *count += 1,
+            _ => {
+                if let Some((_, at, count)) = current {
+                    patch(&mut out, at, count);
+                }
+                out.push(STATE_BLOCK);
+                put_bytes(&mut out, state.as_bytes());
+                current = Some((state, out.len(), 1));
+                out.extend_from_slice(&0_u64.to_le_bytes());
+            }
+        }
+        put_bytes(&mut out, key);
+        match value {
+            Some(value) => {
+                out.push(PUT);
+                put_bytes(&mut out, value);
+            }
+            None => out.push(DELETE),
+        }
+    }
+    if let Some((_, at, count)) = current {
+        patch(&mut out, at, count);
+    }
+    out.push(END);
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Reads a segment's body, never past its declared end.
+struct SegmentReader<'p, R> {
+    inner: R,
+    remaining: u64,
+    path: &'p Path,
+}
+
+impl<R: Read> SegmentReader<'_, R> {
+    fn corrupt(&self, problem: impl Into<String>) -> StateError {
+        StateError::CorruptSegment {
+            file: self.path.to_path_buf(),
+            problem: problem.into(),
+        }
+    }
+
+    fn take(&mut self, n: u64, what: &str) -> Result<Vec<u8>, StateError> {
+        if n > self.remaining {
+            return Err(self.corrupt(format!(
+                "{what} of {n} bytes runs past the end ({} bytes left)",
+                self.remaining
+            )));
+        }
+        let len = usize::try_from(n).map_err(|_| self.corrupt(format!("{what} too long")))?;
+        let mut buf = vec![0; len];
+        self.inner
+            .read_exact(&mut buf)
+            .map_err(StateError::io("reading", self.path))?;
+        self.remaining -= n;
+        Ok(buf)
+    }
+
+    fn byte(&mut self, what: &str) -> Result<u8, StateError> {
+        Ok(self.take(1, what)?.first().copied().unwrap_or_default())
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, StateError> {
+        let bytes = self.take(8, what)?;
+        let mut out = [0; 8];
+        out.copy_from_slice(&bytes);
+        Ok(u64::from_le_bytes(out))
+    }
+
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, StateError> {
+        let len = self.u64(what)?;
+        self.take(len, what)
+    }
+}
+
+/// Checks a segment's CRC32C without keeping it in memory; returns the body's length.
+fn check_segment(path: &Path) -> Result<u64, StateError> {
+    let corrupt = |problem: String| StateError::CorruptSegment {
+        file: path.to_path_buf(),
+        problem,
+    };
+    let file = std::fs::File::open(path).map_err(StateError::io("opening", path))?;
+    let len = file.metadata().map_err(StateError::io("stat", path))?.len();
+    let minimum = u64::try_from(MAGIC.len()).unwrap_or(8) + 1 + 4;
+    if len < minimum {
+        return Err(corrupt(format!(
+            "{len} bytes, shorter than an empty segment"
+        )));
+    }
+    let body = len - 4;
+    let mut reader = BufReader::with_capacity(1 << 20, file);
+    let mut crc = 0_u32;
+    let mut left = body;
+    let mut buf = vec![0_u8; 1 << 20];
+    while left > 0 {
+        let want = usize::try_from(left.min(1 << 20)).unwrap_or(1 << 20);
+        let chunk = buf.get_mut(..want).unwrap_or_default();
+        reader
+            .read_exact(chunk)
+            .map_err(StateError::io("reading", path))?;
+        crc = crc32c::crc32c_append(crc, chunk);
+        left -= u64::try_from(want).unwrap_or(0);
+    }
+    let mut stored = [0_u8; 4];
+    reader
+        .read_exact(&mut stored)
+        .map_err(StateError::io("reading", path))?;
+    let stored = u32::from_le_bytes(stored);
+    if stored != crc {
+        return Err(corrupt(format!(
+            "CRC32C {crc:08x}, the segment says {stored:08x}"
+        )));
+    }
+    Ok(body)
+}
+
+/// A decoded entry: state, stored key, value (`None`: deleted).
+pub(crate) type Entry = (String, Vec<u8>, Option<Vec<u8>>);
+
+/// Decodes the segment at `path` (checksum first), calling `apply` with batches of
+/// `(state, stored key, value)` whose key group is in `keep`. Returns the entries
+/// applied.
+pub(crate) fn read_segment(
+    path: &Path,
+    keep: KeyGroupRange,
+    apply: &mut dyn FnMut(&[Entry]) -> Result<(), StateError>,
+) -> Result<u64, StateError> {
+    let body = check_segment(path)?;
+    let file = std::fs::File::open(path).map_err(StateError::io("opening", path))?;
+    let mut reader = SegmentReader {
+        inner: BufReader::with_capacity(1 << 20, file),
+        remaining: body,
+        path,
+    };
+    let magic = reader.take(8, "magic")?;
+    if magic != MAGIC {
+        return Err(reader.corrupt("not a changelog segment (wrong magic)"));
+    }
+    let mut batch = Vec::new();
+    let mut applied = 0_u64;
+    let mut previous: Option<(String, Vec<u8>)> = None;
+    loop {
+        match reader.byte("block tag")? {
+            END => break,
+            STATE_BLOCK => {}
+            other => return Err(reader.corrupt(format!("unknown block tag {other}"))),
+        }
+        let name = String::from_utf8(reader.bytes("state name")?)
+            .map_err(|_| reader.corrupt("a state name is not UTF-8"))?;
+        let count = reader.u64("entry count")?;
+        for _ in 0..count {
+            let key = reader.bytes("key")?;
+            let value = match reader.byte("entry kind")? {
+                PUT => Some(reader.bytes("value")?),
+                DELETE => None,
+                other => return Err(reader.corrupt(format!("unknown entry kind {other}"))),
+            };
+            // Sorted, each key once: a replay in any other order could be wrong.
+            if previous
+                .as_ref()
+                .is_some_and(|(state, last)| *state == name && *last >= key)
+            {
+                return Err(reader.corrupt(format!("state `{name}`: keys out of order")));
+            }
+            let Some(group) = key
+                .first_chunk::<2>()
+                .map(|g| u32::from(u16::from_be_bytes(*g)))
+            else {
+                return Err(reader.corrupt(format!("state `{name}`: a key shorter than its group")));
+            };
+            previous = Some((name.clone(), key.clone()));
+            if keep.contains(group) {
+                batch.push((name.clone(), key, value));
+                if batch.len() >= REPLAY_BATCH {
+                    apply(&batch)?;
+                    applied += u64::try_from(batch.len()).unwrap_or(0);
+                    batch.clear();
+                }
+            }
+        }
+    }
+    if reader.remaining != 0 {
+        return Err(reader.corrupt(format!("{} bytes after the end marker", reader.remaining)));
+    }
+    if !batch.is_empty() {
+        apply(&batch)?;
+        applied += u64::try_from(batch.len()).unwrap_or(0);
+    }
+    Ok(applied)
+}
+
+/// Replays the segment at `path` into `db`, keeping the key groups `keep`.
+pub(crate) fn replay_segment(
+    db: &DB,
+    options: &rocksdb::Options,
+    path: &Path,
+    keep: KeyGroupRange,
+) -> Result<u64, StateError> {
+    read_segment(path, keep, &mut |batch| {
+        write_stored(
+            db,
+            options,
+            batch
+                .iter()
+                .map(|(state, key, value)| (state.as_str(), key.as_slice(), value.as_deref())),
+        )
+    })
+}
+
+/// A segment written since the materialization.
+#[derive(Clone, Debug)]
+struct Segment {
+    ordinal: u64,
+    name: String,
+    size: u64,
+    sha256: Sha256Digest,
+}
+
+/// A materialization: a RocksDB checkpoint holding every segment up to `covers`.
+#[derive(Debug)]
+pub(crate) struct Base {
+    dir: PathBuf,
+    covers: u64,
+    files: Vec<(String, u64, Sha256Digest)>,
+}
+
+/// One task's changelog: its segments since the materialization, the
+/// materialization, and the one running in the background.
+#[derive(Debug)]
+pub(crate) struct Changelog {
+    config: ChangelogConfig,
+    dir: PathBuf,
+    next: u64,
+    base: Option<Base>,
+    segments: Vec<Segment>,
+    running: Option<Receiver<Result<Base, StateError>>>,
+    last_started: Instant,
+    /// The files of the last snapshot built, for `shared`.
+    previous: BTreeSet<String>,
+    /// Materializations installed, for the tests and the logs.
+    pub(crate) materializations: u64,
+}
+
+/// What a snapshot in changelog mode lists.
+pub(crate) struct LinkedSnapshot {
+    pub(crate) files: Vec<SnapshotFile>,
+    pub(crate) changelog: Vec<RelativePath>,
+}
+
+impl Changelog {
+    /// A changelog for the database at `db_path` (any earlier one there is gone:
+    /// the database it described was not restored from it).
+    pub(crate) fn new(config: ChangelogConfig, db_path: &Path) -> Self {
+        let dir = changelog_dir(db_path);
+        let _gone = std::fs::remove_dir_all(&dir);
+        Self {
+            config,
+            dir,
+            next: 1,
+            base: None,
+            segments: Vec::new(),
+            running: None,
+            last_started: Instant::now(),
+            previous: BTreeSet::new(),
+            materializations: 0,
+        }
+    }
+
+    fn unmaterialized_bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.size).sum()
+    }
+
+    /// Writes `writes` as the next segment, then into RocksDB (its memtable).
+    pub(crate) fn append(
+        &mut self,
+        db: &DB,
+        options: &rocksdb::Options,
+        writes: &[StoredWrite<'_>],
+    ) -> Result<(), StateError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(&self.dir).map_err(StateError::io("creating", &self.dir))?;
+        let ordinal = self.next;
+        let name = format!("changelog-{ordinal:020}.seg");
+        let encoded = encode_segment(writes);
+        let path = self.dir.join(&name);
+        std::fs::write(&path, &encoded).map_err(StateError::io("writing", &path))?;
+        write_stored(db, options, writes.iter().copied())?;
+        self.next += 1;
+        self.segments.push(Segment {
+            ordinal,
+            name,
+            size: u64::try_from(encoded.len()).unwrap_or(u64::MAX),
+            sha256: Sha256Digest::of(&encoded),
+        });
+        Ok(())
+    }
+
+    /// Installs a finished materialization; starts one when due (in the calling
+    /// thread when there is none yet: a snapshot needs one to stand on).
+    pub(crate) fn materialize(
+        &mut self,
+        db: &Arc<DB>,
+        names: &[String],
+        digests: &SharedDigests,
+    ) -> Result<(), StateError> {
+        self.collect();
+        if self.running.is_some() {
+            return Ok(());
+        }
+        let covers = self.segments.last().map_or(self.next - 1, |s| s.ordinal);
+        let dir = self.dir.join(format!("base-{covers:020}"));
+        if self.base.is_none() {
+            self.last_started = Instant::now();
+            let base = build_base(db, names, dir, covers, digests)?;
+            self.install(base);
+            return Ok(());
+        }
+        let pending = self.unmaterialized_bytes();
+        let base_bytes: u64 = self.base.iter().flat_map(|b| &b.files).map(|f| f.1).sum();
+        let due = self.last_started.elapsed() >= self.config.materialize_interval
+            || pending >= self.config.materialize_bytes
+            || pending >= base_bytes.max(OUTGROWN_FLOOR)
+            || self.segments.len() >= MAX_SEGMENTS;
+        if !due || self.segments.is_empty() {
+            return Ok(());
+        }
+        self.last_started = Instant::now();
+        let (done, running) = mpsc::channel();
+        let (db, names, digests) = (Arc::clone(db), names.to_vec(), Arc::clone(digests));
+        let spawned = std::thread::Builder::new()
+            .name("stillpoint-materialize".into())
+            .spawn(move || {
+                let _sent = done.send(build_base(&db, &names, dir, covers, &digests));
+            });
+        match spawned {
+            Ok(_) => self.running = Some(running),
+            Err(error) => tracing::warn!(%error, "could not start a materialization"),
+        }
+        Ok(())
+    }
+
+    /// Installs a materialization that finished; logs and forgets one that failed
+    /// (the next snapshot starts another).
+    fn collect(&mut self) {
+        let Some(running) = &self.running else {
+            return;
+        };
+        match running.try_recv() {
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => self.running = None,
+            Ok(Ok(base)) => {
+                self.running = None;
+                self.install(base);
+            }
+            Ok(Err(error)) => {
+                self.running = None;
+                tracing::warn!(%error, "materialization failed; the changelog grows until the next one");
+            }
+        }
+    }
+
+    /// Waits for a running materialization and installs it.
+    pub(crate) fn settle(&mut self) {
+        if let Some(running) = self.running.take() {
+            match running.recv() {
+                Ok(Ok(base)) => self.install(base),
+                Ok(Err(error)) => tracing::warn!(%error, "materialization failed"),
+                Err(_) => {}
+            }
+        }
+    }
+
+    fn install(&mut self, base: Base) {
+        let covered = base.covers;
+        for segment in self.segments.iter().filter(|s| s.ordinal <= covered) {
+            let _gone = std::fs::remove_file(self.dir.join(&segment.name));
+        }
+        self.segments.retain(|s| s.ordinal > covered);
+        if let Some(old) = self.base.replace(base) {
+            // Snapshots that listed its files hold their own links.
+            let _gone = std::fs::remove_dir_all(&old.dir);
+        }
+        self.materializations += 1;
+        tracing::debug!(
+            covers = covered,
+            segments_left = self.segments.len(),
+            "materialization installed"
+        );
+    }
+
+    /// Links the materialization's files and the segments after it into `dir` (new):
+    /// a snapshot directory, listed as the manifest lists it.
+    pub(crate) fn link_into(&mut self, dir: &Path) -> Result<LinkedSnapshot, StateError> {
+        let Some(base) = &self.base else {
+            return Err(StateError::Incompatible(
+                "a changelog snapshot without a materialization".into(),
+            ));
+        };
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent).map_err(StateError::io("creating", parent))?;
+        }
+        // A new directory: one left by an aborted checkpoint is not reused.
+        std::fs::create_dir(dir).map_err(StateError::io("creating", dir))?;
+        let link = |from: &Path, name: &str| -> Result<(), StateError> {
+            let to = dir.join(name);
+            if std::fs::hard_link(from, &to).is_err() {
+                std::fs::copy(from, &to).map_err(StateError::io("copying", from))?;
+            }
+            Ok(())
+        };
+        let mut listed = Vec::with_capacity(base.files.len() + self.segments.len());
+        for (name, size, sha256) in &base.files {
+            link(&base.dir.join(name), name)?;
+            listed.push((name.clone(), *size, *sha256));
+        }
+        let mut changelog = Vec::with_capacity(self.segments.len());
+        for segment in &self.segments {
+            link(&self.dir.join(&segment.name), &segment.name)?;
+            listed.push((segment.name.clone(), segment.size, segment.sha256));
+            changelog.push(relative(&segment.name)?);
+        }
+        let files = listed
+            .into_iter()
+            .map(|(name, size, sha256)| {
+                Ok(SnapshotFile {
+                    shared: self.previous.contains(&name),
+                    path: relative(&name)?,
+                    size,
+                    sha256,
+                })
+            })
+            .collect::<Result<Vec<_>, StateError>>()?;
+        self.previous = files.iter().map(|f| f.path.as_str().to_owned()).collect();
+        Ok(LinkedSnapshot { files, changelog })
+    }
+}
+
+impl Drop for Changelog {
+    fn drop(&mut self) {
+        // A materialization still running holds the database open: wait for it, so
+        // whoever opens the directory next finds it closed.
+        if let Some(running) = self.running.take() {
+            let _finished = running.recv();
+        }
+    }
+}
+
+fn relative(name: &str) -> Result<RelativePath, StateError> {
+    RelativePath::new(name)
+        .map_err(|problem| StateError::Incompatible(format!("file name {name:?}: {problem}")))
+}
+
+/// Flushes and checkpoints `db` into `dir`: every change written before the call is
+/// in it (and possibly some written during it).
+fn build_base(
+    db: &DB,
+    names: &[String],
+    dir: PathBuf,
+    covers: u64,
+    digests: &SharedDigests,
+) -> Result<Base, StateError> {
+    let started = Instant::now();
+    flush_all(db, names)?;
+    create_checkpoint(db, &dir)?;
+    let files = hash_files(&dir, digests)?;
+    tracing::debug!(
+        covers,
+        files = files.len(),
+        elapsed_ms = started.elapsed().as_millis(),
+        "materialized"
+    );
+    Ok(Base { dir, covers, files })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn decode(path: &Path, keep: KeyGroupRange) -> Result<Vec<Entry>, StateError> {
+        let mut out = Vec::new();
+        read_segment(path, keep, &mut |batch| {
+            out.extend_from_slice(batch);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    const ALL: KeyGroupRange = KeyGroupRange { start: 0, end: 128 };
+
+    proptest! {
+        /// What is encoded decodes to exactly the same writes, in order.
+        #[test]
+        fn a_segment_decodes_to_what_was_encoded(
+            entries in proptest::collection::btree_map(
+                (0_u8..3, 0_u16..128, proptest::collection::vec(any::<u8>(), 0..12)),
+                proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)),
+                0..100,
+            )
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let names = ["a", "b", "c"];
+            let owned: Vec<Entry> = entries
+                .iter()
+                .map(|((state, group, key), value)| {
+                    let mut stored = group.to_be_bytes().to_vec();
+                    stored.extend_from_slice(key);
+                    (names[usize::from(*state)].to_owned(), stored, value.clone())
+                })
+                .collect();
+            let writes: Vec<StoredWrite<'_>> = owned
+                .iter()
+                .map(|(s, k, v)| (s.as_str(), k.as_slice(), v.as_deref()))
+                .collect();
+            let path = dir.path().join("s.seg");
+            std::fs::write(&path, encode_segment(&writes)).unwrap();
+            prop_assert_eq!(decode(&path, ALL).unwrap(), owned.clone());
+            // A key-group filter keeps exactly the keys of its groups.
+            let half = KeyGroupRange { start: 0, end: 64 };
+            let kept: Vec<_> = owned.into_iter().filter(|(_, k, _)| u16::from_be_bytes([k[0], k[1]]) < 64).collect();
+            prop_assert_eq!(decode(&path, half).unwrap(), kept);
+        }
+    }
+
+    /// Every kind of damage is refused with what is wrong, before anything is applied.
+    #[test]
+    fn a_damaged_segment_is_refused_naming_the_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let writes: Vec<StoredWrite<'_>> = vec![
+            ("counts", b"\x00\x01key-a", Some(b"1")),
+            ("counts", b"\x00\x02key-b", None),
+            ("sums", b"\x00\x03key-c", Some(b"22")),
+        ];
+        let good = encode_segment(&writes);
+        let reseal = |mut body: Vec<u8>| {
+            let crc = crc32c::crc32c(&body);
+            body.extend_from_slice(&crc.to_le_bytes());
+            body
+        };
+        let body = good[..good.len() - 4].to_vec();
+        let mut flipped = good.clone();
+        flipped[20] ^= 0x40;
+        let mut wrong_magic = body.clone();
+        wrong_magic[0] = b'X';
+        let mut unsorted: Vec<StoredWrite<'_>> = writes.clone();
+        unsorted.swap(0, 1);
+        let unsorted = encode_segment(&unsorted);
+        let mut huge_len = body.clone();
+        // The first state name's length: 9 bytes in (magic, tag).
+        huge_len[9..17].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut trailing = body.clone();
+        trailing.push(0);
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("bit flip", flipped, "CRC32C"),
+            ("truncated", good[..good.len() / 2].to_vec(), "CRC32C"),
+            (
+                "too short",
+                b"SPC".to_vec(),
+                "shorter than an empty segment",
+            ),
+            ("wrong magic", reseal(wrong_magic), "wrong magic"),
+            ("length past the end", reseal(huge_len), "runs past the end"),
+            ("keys out of order", unsorted, "out of order"),
+            (
+                "bytes after the end",
+                reseal(trailing),
+                "after the end marker",
+            ),
+        ];
+        for (name, bytes, expected) in cases {
+            let path = dir.path().join(format!("{name}.seg"));
+            std::fs::write(&path, bytes).unwrap();
+            let mut applied = 0;
+            let error = read_segment(&path, ALL, &mut |batch| {
+                applied += batch.len();
+                Ok(())
+            })
+            .unwrap_err();
+            assert!(
+                matches!(error, StateError::CorruptSegment { .. }),
+                "case {name}: {error}"
+            );
+            assert!(error.to_string().contains(expected), "case {name}: {error}");
+            assert_eq!(
+                applied, 0,
+                "case {name}: nothing is applied from a bad segment"
+            );
+        }
+    }
+}
