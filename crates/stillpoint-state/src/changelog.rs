@@ -18,7 +18,7 @@
 //! bytes) for a put or `0x00` for a delete; then `0x00`; then the CRC32C of every
 //! byte before it (u32).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +29,7 @@ use rocksdb::DB;
 use stillpoint_wire::{KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile};
 
 use crate::StateError;
-use crate::rocks::{StoredWrite, write_stored};
+use crate::rocks::{StoredWrite, ingest_stored, write_stored};
 use crate::snapshot::{SharedDigests, create_checkpoint, flush_all, hash_files};
 
 /// When a task's changelog is materialized (see the module docs).
@@ -59,6 +59,8 @@ const STATE_BLOCK: u8 = 1;
 const END: u8 = 0;
 const PUT: u8 = 1;
 const DELETE: u8 = 0;
+/// Replayed entries from which an SST is built and ingested rather than written.
+const INGEST_AT: usize = 65_536;
 /// A changelog as large as its materialization (and at least this) is due for one
 /// whatever the interval: a restore then reads at most about twice the state.
 const OUTGROWN_FLOOR: u64 = 4 << 20;
@@ -66,8 +68,6 @@ const OUTGROWN_FLOOR: u64 = 4 << 20;
 /// links and lists every segment since the materialization, so their number is the
 /// per-checkpoint cost that grows between materializations.
 const MAX_SEGMENTS: usize = 64;
-/// Entries replayed per RocksDB write batch.
-const REPLAY_BATCH: usize = 16_384;
 
 /// The directory of a database's changelog: inside it, where RocksDB ignores what it
 /// did not name and a RocksDB checkpoint links only its own files.
@@ -218,16 +218,19 @@ fn check_segment(path: &Path) -> Result<u64, StateError> {
     Ok(body)
 }
 
-/// A decoded entry: state, stored key, value (`None`: deleted).
-pub(crate) type Entry = (String, Vec<u8>, Option<Vec<u8>>);
+/// A decoded entry of one state: stored key, value (`None`: deleted).
+pub(crate) type Entry = (Vec<u8>, Option<Vec<u8>>);
 
-/// Decodes the segment at `path` (checksum first), calling `apply` with batches of
-/// `(state, stored key, value)` whose key group is in `keep`. Returns the entries
-/// applied.
+/// What [`read_segment`] hands each state's entries to.
+pub(crate) type Apply<'a> = dyn FnMut(&str, &[Entry]) -> Result<(), StateError> + 'a;
+
+/// Decodes the segment at `path` (checksum first, then the whole segment), then calls
+/// `apply` with each state and its entries whose key group is in `keep`. Returns the
+/// entries applied.
 pub(crate) fn read_segment(
     path: &Path,
     keep: KeyGroupRange,
-    apply: &mut dyn FnMut(&[Entry]) -> Result<(), StateError>,
+    apply: &mut Apply<'_>,
 ) -> Result<u64, StateError> {
     let body = check_segment(path)?;
     let file = std::fs::File::open(path).map_err(StateError::io("opening", path))?;
@@ -240,9 +243,9 @@ pub(crate) fn read_segment(
     if magic != MAGIC {
         return Err(reader.corrupt("not a changelog segment (wrong magic)"));
     }
-    let mut batch = Vec::new();
-    let mut applied = 0_u64;
-    let mut previous: Option<(String, Vec<u8>)> = None;
+    // Decoded whole before anything is applied: a segment is at most one
+    // checkpoint's changes (or a spill's), and a damaged one changes nothing.
+    let mut blocks: Vec<(String, Vec<Entry>)> = Vec::new();
     loop {
         match reader.byte("block tag")? {
             END => break,
@@ -252,6 +255,8 @@ pub(crate) fn read_segment(
         let name = String::from_utf8(reader.bytes("state name")?)
             .map_err(|_| reader.corrupt("a state name is not UTF-8"))?;
         let count = reader.u64("entry count")?;
+        let mut batch = Vec::new();
+        let mut previous: Option<Vec<u8>> = None;
         for _ in 0..count {
             let key = reader.bytes("key")?;
             let value = match reader.byte("entry kind")? {
@@ -260,10 +265,7 @@ pub(crate) fn read_segment(
                 other => return Err(reader.corrupt(format!("unknown entry kind {other}"))),
             };
             // Sorted, each key once: a replay in any other order could be wrong.
-            if previous
-                .as_ref()
-                .is_some_and(|(state, last)| *state == name && *last >= key)
-            {
+            if previous.as_ref().is_some_and(|last| *last >= key) {
                 return Err(reader.corrupt(format!("state `{name}`: keys out of order")));
             }
             let Some(group) = key
@@ -272,43 +274,65 @@ pub(crate) fn read_segment(
             else {
                 return Err(reader.corrupt(format!("state `{name}`: a key shorter than its group")));
             };
-            previous = Some((name.clone(), key.clone()));
             if keep.contains(group) {
-                batch.push((name.clone(), key, value));
-                if batch.len() >= REPLAY_BATCH {
-                    apply(&batch)?;
-                    applied += u64::try_from(batch.len()).unwrap_or(0);
-                    batch.clear();
-                }
+                batch.push((key.clone(), value));
             }
+            previous = Some(key);
         }
+        blocks.push((name, batch));
     }
     if reader.remaining != 0 {
         return Err(reader.corrupt(format!("{} bytes after the end marker", reader.remaining)));
     }
-    if !batch.is_empty() {
-        apply(&batch)?;
+    let mut applied = 0_u64;
+    for (name, batch) in &blocks {
+        apply(name, batch)?;
         applied += u64::try_from(batch.len()).unwrap_or(0);
     }
     Ok(applied)
 }
 
-/// Replays the segment at `path` into `db`, keeping the key groups `keep`.
-pub(crate) fn replay_segment(
+/// Replays the segments at `paths` (oldest first) into `db`, keeping the key groups
+/// `keep`: merged in memory, the newest value of each key winning, so each key is
+/// written once however many segments changed it; then, when there are many, built
+/// into one SST per state in key order and ingested (no memtable), else written as
+/// one batch (an ingestion's fixed cost — file syncs, a memtable flush — is more
+/// than a few thousand memtable inserts). The memory is the changelog's distinct
+/// keys, bounded by what triggers a materialization. Returns the entries written.
+pub(crate) fn replay_segments(
     db: &DB,
     options: &rocksdb::Options,
-    path: &Path,
+    compression: crate::Compression,
+    paths: &[PathBuf],
     keep: KeyGroupRange,
 ) -> Result<u64, StateError> {
-    read_segment(path, keep, &mut |batch| {
-        write_stored(
-            db,
-            options,
-            batch
-                .iter()
-                .map(|(state, key, value)| (state.as_str(), key.as_slice(), value.as_deref())),
-        )
-    })
+    let mut merged: BTreeMap<String, BTreeMap<Vec<u8>, Option<Vec<u8>>>> = BTreeMap::new();
+    for path in paths {
+        read_segment(path, keep, &mut |state, batch| {
+            let keys = match merged.get_mut(state) {
+                Some(keys) => keys,
+                None => merged.entry(state.to_owned()).or_default(),
+            };
+            for (key, value) in batch {
+                keys.insert(key.clone(), value.clone());
+            }
+            Ok(())
+        })?;
+    }
+    let writes: Vec<StoredWrite<'_>> = merged
+        .iter()
+        .flat_map(|(state, keys)| {
+            keys.iter()
+                .map(move |(key, value)| (state.as_str(), key.as_slice(), value.as_deref()))
+        })
+        .collect();
+    let entries = u64::try_from(writes.len()).unwrap_or(u64::MAX);
+    if writes.len() >= INGEST_AT {
+        ingest_stored(db, options, compression, writes)?;
+    } else if !writes.is_empty() {
+        write_stored(db, options, writes)?;
+    }
+    Ok(entries)
 }
 
 /// A segment written since the materialization.
@@ -583,14 +607,20 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn decode(path: &Path, keep: KeyGroupRange) -> Result<Vec<Entry>, StateError> {
+    fn decode(path: &Path, keep: KeyGroupRange) -> Result<Vec<Decoded>, StateError> {
         let mut out = Vec::new();
-        read_segment(path, keep, &mut |batch| {
-            out.extend_from_slice(batch);
+        read_segment(path, keep, &mut |state, batch| {
+            out.extend(
+                batch
+                    .iter()
+                    .map(|(k, v)| (state.to_owned(), k.clone(), v.clone())),
+            );
             Ok(())
         })?;
         Ok(out)
     }
+
+    type Decoded = (String, Vec<u8>, Option<Vec<u8>>);
 
     const ALL: KeyGroupRange = KeyGroupRange { start: 0, end: 128 };
 
@@ -606,7 +636,7 @@ mod tests {
         ) {
             let dir = tempfile::tempdir().unwrap();
             let names = ["a", "b", "c"];
-            let owned: Vec<Entry> = entries
+            let owned: Vec<Decoded> = entries
                 .iter()
                 .map(|((state, group, key), value)| {
                     let mut stored = group.to_be_bytes().to_vec();
@@ -677,7 +707,7 @@ mod tests {
             let path = dir.path().join(format!("{name}.seg"));
             std::fs::write(&path, bytes).unwrap();
             let mut applied = 0;
-            let error = read_segment(&path, ALL, &mut |batch| {
+            let error = read_segment(&path, ALL, &mut |_, batch| {
                 applied += batch.len();
                 Ok(())
             })

@@ -14,7 +14,7 @@ use stillpoint_wire::{
     SnapshotManifest,
 };
 
-use crate::changelog::replay_segment;
+use crate::changelog::replay_segments;
 use crate::rocks::{StateOwner, column_family, group_bounds};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
@@ -314,17 +314,26 @@ impl RocksStateBackend {
         manifest: &SnapshotManifest,
         keep: KeyGroupRange,
     ) -> Result<(), StateError> {
-        let mut entries = 0;
-        for segment in &manifest.changelog {
-            entries += replay_segment(&self.db, &self.options, &dir.join(segment.as_str()), keep)?;
+        if manifest.changelog.is_empty() {
+            return Ok(());
         }
-        if !manifest.changelog.is_empty() {
-            tracing::debug!(
-                segments = manifest.changelog.len(),
-                entries,
-                "changelog replayed"
-            );
-        }
+        let paths: Vec<PathBuf> = manifest
+            .changelog
+            .iter()
+            .map(|segment| dir.join(segment.as_str()))
+            .collect();
+        let entries = replay_segments(
+            &self.db,
+            &self.options,
+            self.config.compression,
+            &paths,
+            keep,
+        )?;
+        tracing::debug!(
+            segments = manifest.changelog.len(),
+            entries,
+            "changelog replayed"
+        );
         Ok(())
     }
 

@@ -787,3 +787,39 @@ fn an_export_that_cannot_write_its_changes_fails_naming_the_directory_and_poison
         assert!(matches!(next, StateError::Poisoned(_)), "{blocked}: {next}");
     }
 }
+
+/// A changelog too large for one write batch is replayed through ingested SSTs:
+/// overwrites and deletes of keys the materialization holds (tombstones in the
+/// ingested files) restore exactly.
+#[test]
+fn a_large_changelog_is_replayed_through_ingested_ssts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StateConfig {
+        cache_budget_bytes: 64 << 20,
+        ..small_config()
+    };
+    let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+    for i in 0..90_000_u32 {
+        state.put("s", &i.to_le_bytes(), b"", b"first").unwrap();
+    }
+    state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap();
+    for i in 0..90_000_u32 {
+        if i % 3 == 0 {
+            state.delete("s", &i.to_le_bytes(), b"").unwrap();
+        } else {
+            state.put("s", &i.to_le_bytes(), b"", b"second").unwrap();
+        }
+    }
+    let expected = dump(&state, "s", all());
+    let exported = state
+        .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+        .run()
+        .unwrap();
+    assert_eq!(exported.manifest.changelog.len(), 1);
+    let restored = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap();
+    assert_eq!(dump(&restored, "s", all()), expected);
+    assert_eq!(expected.len(), 60_000);
+}

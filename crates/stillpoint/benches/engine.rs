@@ -117,7 +117,8 @@ impl Sizes {
 }
 
 /// A job's configuration in `dir`. `STILLPOINT_BENCH_SNAPSHOTS=rocksdb-checkpoint`
-/// turns changelog checkpoints off, for the before/after table of docs/performance.md.
+/// turns changelog checkpoints off, for the before/after table of
+/// docs/performance-figures.md.
 fn job_config(dir: &Path) -> JobConfig {
     let mut config = JobConfig::new(dir.join("work"));
     if std::env::var("STILLPOINT_BENCH_SNAPSHOTS").as_deref() == Ok("rocksdb-checkpoint") {
