@@ -478,24 +478,27 @@ impl Changelog {
         match running.try_recv() {
             Err(TryRecvError::Empty) => {}
             Err(TryRecvError::Disconnected) => self.running = None,
-            Ok(Ok(base)) => {
+            Ok(result) => {
                 self.running = None;
-                self.install(base);
-            }
-            Ok(Err(error)) => {
-                self.running = None;
-                tracing::warn!(%error, "materialization failed; the changelog grows until the next one");
+                self.finish(result);
             }
         }
     }
 
     /// Waits for a running materialization and installs it.
     pub(crate) fn settle(&mut self) {
-        if let Some(running) = self.running.take() {
-            match running.recv() {
-                Ok(Ok(base)) => self.install(base),
-                Ok(Err(error)) => tracing::warn!(%error, "materialization failed"),
-                Err(_) => {}
+        if let Some(Ok(result)) = self.running.take().map(|running| running.recv()) {
+            self.finish(result);
+        }
+    }
+
+    /// Installs a materialization that finished, or logs one that failed (the
+    /// changelog grows until the next one).
+    fn finish(&mut self, result: Result<Base, StateError>) {
+        match result {
+            Ok(base) => self.install(base),
+            Err(error) => {
+                tracing::warn!(%error, "materialization failed; the changelog grows until the next one");
             }
         }
     }
