@@ -46,6 +46,7 @@ fn a_file_word_count_survives_crashes_exactly_once() {
         aggregators: 3,
         input: WordInput::Files { paths },
         output: dir.path().join("out"),
+        combine: false,
     };
     let seen = crash_loop(&config(dir.path()), &job, 8, Duration::from_millis(1200), 3);
     assert!(seen.crashes >= 4, "{seen:?}");
@@ -110,6 +111,7 @@ fn a_log_word_count_stops_on_request_and_resumes_where_it_stopped() {
         aggregators: 3,
         input: WordInput::Log { dirs: dirs.clone() },
         output: dir.path().join("out"),
+        combine: false,
     };
     let mut config = config(dir.path());
     config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());

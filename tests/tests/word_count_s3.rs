@@ -75,6 +75,7 @@ fn crashes_against_a_real_s3_store_lose_and_duplicate_nothing() {
                 seed: 9,
             },
             output: dir.path().join("out"),
+            combine: false,
         };
         // A checkpoint to S3 takes 200-500 ms here; crash moments up to 1.5 s let most
         // runs complete one, so later runs restore (a 400 ms window once crashed every

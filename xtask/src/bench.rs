@@ -141,7 +141,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// Every figure the workspace's benches print, at any size (the smoke run under
 /// `cargo test` included). The peers' figures are computed here, not printed.
-const EXPECTED: [&str; 26] = [
+const EXPECTED: [&str; 27] = [
     "wire.control_encode_decode",
     "wire.data_decode_throughput",
     "wire.data_decode_vs_memcpy_crc32c",
@@ -162,6 +162,7 @@ const EXPECTED: [&str; 26] = [
     "engine.keyed_count_1000_keys",
     "engine.keyed_count_1000_keys_checkpoint_p99",
     "engine.keyed_count_1000_keys_batch_1024x1",
+    "engine.keyed_count_1000_keys_combined",
     "engine.upload_vs_state_1pct",
     "engine.checkpoint_duration_p99_4_tasks",
     "engine.checkpoint_duration_p99_16_tasks",

@@ -27,7 +27,7 @@ mod generated;
 mod windows;
 mod word_count;
 
-pub use count::{COUNTS, KeyedCount};
+pub use count::{COUNTS, CombinedCount, CountCombiner, KeyedCount};
 pub use file_sink::{FileSinkFactory, TransactionalFileSink, read_committed, recover_transactions};
 pub use files::{FileLines, LogDir, MAX_LINE_BYTES};
 pub use generated::GeneratedWords;

@@ -3,9 +3,14 @@
 
 use std::path::PathBuf;
 
-use stillpoint::{Dataflow, EngineError, Operator, Partitioning, Source, ToDataflow};
+use stillpoint::{
+    Combine, Combiner, Dataflow, EngineError, Operator, Partitioning, Source, ToDataflow,
+};
 
-use crate::{FileLines, GeneratedWords, KeyedCount, LogDir, TransactionalFileSink};
+use crate::{
+    CombinedCount, CountCombiner, FileLines, GeneratedWords, KeyedCount, LogDir,
+    TransactionalFileSink,
+};
 
 /// The built-in keyed word count: `sources` replayable sources → hash by key group →
 /// `aggregators` keyed counters → one exactly-once file sink per counter.
@@ -19,6 +24,12 @@ pub struct WordCount {
     pub input: WordInput,
     /// Where the sinks publish their output.
     pub output: PathBuf,
+    /// Counts each source's words per key before the shuffle ([`CountCombiner`], with
+    /// [`Combine::default`]: at most 5,000 words or 200 ms between flushes) and adds
+    /// the partial counts up on the counters ([`CombinedCount`]). The final counts
+    /// are the same; the counters, the network and the sinks see one update per key
+    /// per flush instead of one per word. Off by default.
+    pub combine: bool,
 }
 
 /// What the word count's sources read.
@@ -64,6 +75,7 @@ impl WordCount {
                 seed: 42,
             },
             output: output.into(),
+            combine: false,
         }
     }
 
@@ -110,21 +122,30 @@ impl WordCount {
 
 impl ToDataflow for WordCount {
     /// `sources` word sources → hash by key group → `aggregators` [`KeyedCount`]s →
-    /// forward → one [`TransactionalFileSink`] per counter under `output`.
+    /// forward → one [`TransactionalFileSink`] per counter under `output`; with
+    /// `combine`, a [`CountCombiner`] on each source and [`CombinedCount`]s instead.
     fn to_dataflow(&self) -> Result<Dataflow, EngineError> {
         self.check()?;
         let job = self.clone();
-        Ok(
-            Dataflow::source("words", self.sources, move |index| job.source(index))
-                .operator("count", self.aggregators, Partitioning::Hash, |_| {
-                    Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+        let words = Dataflow::source("words", self.sources, move |index| job.source(index));
+        let counted = if self.combine {
+            words
+                .combine(Combine::default(), |_| {
+                    Ok(Box::new(CountCombiner::default()) as Box<dyn Combiner>)
                 })
-                .sink(
-                    "publish",
-                    self.aggregators,
-                    Partitioning::Forward,
-                    TransactionalFileSink::factory(&self.output),
-                ),
-        )
+                .operator("count", self.aggregators, Partitioning::Hash, |_| {
+                    Ok(Box::new(CombinedCount) as Box<dyn Operator>)
+                })
+        } else {
+            words.operator("count", self.aggregators, Partitioning::Hash, |_| {
+                Ok(Box::new(KeyedCount) as Box<dyn Operator>)
+            })
+        };
+        Ok(counted.sink(
+            "publish",
+            self.aggregators,
+            Partitioning::Forward,
+            TransactionalFileSink::factory(&self.output),
+        ))
     }
 }

@@ -2,7 +2,7 @@
 //! `hash(key) % max_parallelism`, fixed for the life of a stream, and each task owns
 //! a contiguous range of them, so a rescale moves whole ranges.
 
-use stillpoint_wire::KeyGroupRange;
+use stillpoint_wire::{KeyGroupRange, Record};
 
 use crate::StateError;
 
@@ -127,6 +127,38 @@ impl KeyGroupRouter {
     }
 }
 
+/// How a task spreads its output over its downstream tasks.
+#[derive(Clone, Debug)]
+pub enum Partitioner {
+    /// One downstream (or none).
+    Forward,
+    /// Every record to every downstream.
+    Broadcast,
+    /// By the key group of the record's key, over the downstreams in stage order.
+    KeyGroups(KeyGroupRouter),
+}
+
+impl Partitioner {
+    /// `records` split over `downstreams` tasks, one batch per task in their order.
+    #[must_use]
+    pub fn split(&self, records: Vec<Record>, downstreams: usize) -> Vec<Vec<Record>> {
+        let router = match self {
+            // Records share their bytes: a copy per downstream is a reference count.
+            Self::Broadcast => return vec![records; downstreams],
+            Self::Forward => None,
+            Self::KeyGroups(router) => Some(router),
+        };
+        let mut per = vec![Vec::new(); downstreams];
+        for record in records {
+            let target = router.map_or(0, |router| router.route(&record.key));
+            if let Some(bucket) = per.get_mut(target) {
+                bucket.push(record);
+            }
+        }
+        per
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +178,25 @@ mod tests {
             }
         }
         assert!(groups.router(0).is_ok_and(|r| r.route(b"x") == 0));
+    }
+
+    #[test]
+    fn a_partitioner_splits_by_key_group_forwards_and_broadcasts() {
+        let groups = KeyGroups::new(128).unwrap();
+        let router = groups.router(3).unwrap();
+        let records: Vec<Record> = (0..300)
+            .map(|i| Record::new(format!("word-{i}"), ""))
+            .collect();
+        let split = Partitioner::KeyGroups(router.clone()).split(records.clone(), 3);
+        assert_eq!(split.iter().map(Vec::len).sum::<usize>(), 300);
+        for (index, bucket) in split.iter().enumerate() {
+            assert!(!bucket.is_empty());
+            assert!(bucket.iter().all(|r| router.route(&r.key) == index));
+        }
+        let forwarded = Partitioner::Forward.split(records.clone(), 1);
+        assert_eq!(forwarded.concat(), records);
+        let copies = Partitioner::Broadcast.split(records.clone(), 2);
+        assert_eq!(copies, [records.clone(), records]);
     }
 
     #[test]

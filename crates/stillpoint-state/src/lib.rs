@@ -42,7 +42,7 @@ pub use cache::{CachedState, ExportedSnapshot, SnapshotJob};
 pub use changelog::ChangelogConfig;
 pub use config::{Compression, StateConfig};
 pub use error::StateError;
-pub use keygroup::{KeyGroupRouter, KeyGroups, MAX_KEY_GROUPS};
+pub use keygroup::{KeyGroupRouter, KeyGroups, MAX_KEY_GROUPS, Partitioner};
 pub use rocks::{
     FieldValues, KeyedState, RocksStateBackend, ScanVisitor, StateBatch, StateOwner, StateWrite,
 };

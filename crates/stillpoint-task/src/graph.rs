@@ -88,6 +88,82 @@ impl fmt::Display for GraphError {
 
 impl std::error::Error for GraphError {}
 
+/// A stage as [`check_stages`] sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageShape<'a> {
+    /// Its name, unique in the chain.
+    pub name: &'a str,
+    /// What its tasks are: the sources, a keyed operator ([`TaskLevel::Aggregate`]),
+    /// or the sinks.
+    pub level: TaskLevel,
+    /// Its tasks.
+    pub parallelism: u32,
+    /// How the stage before feeds it (the first stage's is ignored).
+    pub input: Partitioning,
+    /// With a combiner on its output: the records it holds at most.
+    pub combine: Option<usize>,
+}
+
+/// Refuses a chain of stages that cannot run, saying why and naming the stage: it
+/// must start with its only source stage and end with its only sink stage, every
+/// stage needs at least one task, names are unique, a forward edge joins stages of
+/// equal parallelism, and a combiner sits on a stage with output and holds at least
+/// one record.
+///
+/// # Errors
+/// The first rule broken, in words.
+pub fn check_stages(stages: &[StageShape<'_>]) -> Result<(), String> {
+    let last = stages.len().saturating_sub(1);
+    let mut names = BTreeSet::new();
+    for (index, stage) in stages.iter().enumerate() {
+        let name = stage.name;
+        if !names.insert(name) {
+            return Err(format!("two stages are called {name:?}"));
+        }
+        if stage.parallelism == 0 {
+            return Err(format!("stage {name:?} has parallelism 0"));
+        }
+        let placed = match stage.level {
+            TaskLevel::Source => index == 0,
+            TaskLevel::Sink => index == last && index > 0,
+            TaskLevel::Aggregate => index > 0 && index < last,
+        };
+        if !placed {
+            return Err(match stage.level {
+                TaskLevel::Source => format!("source stage {name:?} is not the first stage"),
+                TaskLevel::Sink => format!("sink stage {name:?} is not the last stage"),
+                TaskLevel::Aggregate => format!(
+                    "operator stage {name:?} must come after the source and before the sink"
+                ),
+            });
+        }
+        match stage.combine {
+            Some(_) if stage.level == TaskLevel::Sink => {
+                return Err(format!("sink stage {name:?} has no output to combine"));
+            }
+            Some(0) => {
+                return Err(format!(
+                    "the combiner of stage {name:?} flushes after 0 records; it needs at least 1"
+                ));
+            }
+            _ => {}
+        }
+        if let Some(previous) = index.checked_sub(1).and_then(|i| stages.get(i))
+            && stage.input == Partitioning::Forward
+            && stage.parallelism != previous.parallelism
+        {
+            return Err(format!(
+                "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
+                stage.parallelism, previous.name, previous.parallelism
+            ));
+        }
+    }
+    if stages.len() < 2 {
+        return Err("it needs a source stage and a sink stage".to_owned());
+    }
+    Ok(())
+}
+
 /// One stage's tasks: ids `first..first + parallelism`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct StageTasks {

@@ -74,6 +74,7 @@
 //! to its handler and test.
 
 mod cluster;
+mod combine;
 mod coordinator;
 mod event_time;
 mod graph;
@@ -88,12 +89,13 @@ pub use cluster::{
     ClusterAction, ClusterConfig, ClusterCoordinator, ClusterError, ClusterNode, NodeAction,
     NodeReport, Order, RunEnd,
 };
+pub use combine::{Combine, CombineClock};
 pub use coordinator::{
     CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, CoordinatorError,
     ManifestRequest, TaskReport,
 };
 pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
-pub use graph::{GraphError, Partitioning, TaskGraph};
+pub use graph::{GraphError, Partitioning, StageShape, TaskGraph, check_stages};
 pub use job_end::JobEnd;
 pub use restore_plan::{
     Bounds, Published, Replay, Republish, RestorePlan, RestoreQuestion, plan_restore,

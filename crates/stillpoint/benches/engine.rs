@@ -188,6 +188,7 @@ fn generated(aggregators: u32, words: u64, vocabulary: u32) -> WordCount {
             seed: 42,
         },
         output: PathBuf::new(),
+        combine: false,
     }
 }
 
@@ -271,6 +272,7 @@ fn loaded_job(aggregators: u32, sizes: &Sizes, words: u64, dir: &Path) -> WordCo
             seed: 42,
         },
         output: dir.join("out"),
+        combine: false,
     }
 }
 
@@ -385,6 +387,7 @@ fn p3(dir: &Path, sizes: &Sizes) {
             paths: paths.clone(),
         },
         output: PathBuf::new(),
+        combine: false,
     };
     let records = u64::from(sizes.p3_keys) + 2 * sizes.p3_updates;
     let result = run(&dir.join("p3"), &job, sizes.interval, records);
@@ -493,6 +496,21 @@ fn peer_job(dir: &Path, sizes: &Sizes) {
         percentile(&millis, 99),
         millis.len(),
         percentile(&millis, 50)
+    ));
+    // The same job with its counts combined per word on the sources before the
+    // shuffle (at most 5,000 words or 200 ms between flushes): what Flink's
+    // mini-batch (two-phase) aggregation does, so the figure "÷ Flink tuned" uses.
+    let combined = WordCount {
+        combine: true,
+        ..job.clone()
+    };
+    let combined: Vec<f64> = (0..sizes.repeats)
+        .map(|_| run(dir, &combined, sizes.interval, records).rate_before_final)
+        .collect();
+    let combined = median(combined);
+    figure(&format!(
+        "engine.keyed_count_1000_keys_combined = {combined:.0} records/s (the same job with `combine`: a CountCombiner per source, flushed at 5,000 words, 200 ms and every barrier; {:.2}× the plain count)",
+        combined / rate
     ));
     // The same job tuned for throughput (`batch_records = 1024`, `channel_batches =
     // 1`): fewer, larger hand-offs between tasks, at the price of alignment time.

@@ -7,15 +7,18 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use stillpoint_backup::{LocalRestore, Store};
-use stillpoint_state::{CachedState, KeyGroups, RocksStateBackend, SnapshotDirs, StateOwner};
+use stillpoint_state::{
+    CachedState, KeyGroups, Partitioner, RocksStateBackend, SnapshotDirs, StateOwner,
+};
 use stillpoint_task::{
-    EventClock, RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine, WatermarkGenerator,
+    CombineClock, EventClock, RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine,
+    WatermarkGenerator,
 };
 use stillpoint_wire::{Message, NodeId, SnapshotManifest, TaskId};
 
 use crate::dataflow::StageKind;
 use crate::driver::{
-    ExportJob, ExportOutcome, Partitioner, Progress, ReplayRole, Role, TaskDriver, export_loop,
+    Combining, ExportJob, ExportOutcome, Progress, ReplayRole, Role, TaskDriver, export_loop,
 };
 use crate::transport::{CoordinatorInput, Links};
 use crate::{Dataflow, EngineError, JobConfig, Partitioning};
@@ -184,6 +187,10 @@ impl Builder<'_> {
             (Some(_), StageKind::Sink(_)) => ReplayRole::Sink { dropped: 0 },
             _ => ReplayRole::None,
         };
+        let combiner: Option<Combining> = match &stage.combiner {
+            Some((when, factory)) => Some((factory(index)?, CombineClock::new(*when))),
+            None => None,
+        };
         let driver = TaskDriver {
             stream: self.config.stream,
             task,
@@ -209,6 +216,7 @@ impl Builder<'_> {
             },
             role,
             clock,
+            combiner,
         };
         let worker = std::thread::Builder::new()
             .name(format!("task-{}", task.get()))

@@ -21,16 +21,21 @@ use std::sync::Arc;
 
 /// How a stage's input is spread over its tasks.
 pub use stillpoint_task::Partitioning;
-use stillpoint_task::{Replay, RestorePlan, RestoreQuestion, TaskGraph};
+use stillpoint_task::{
+    Replay, RestorePlan, RestoreQuestion, StageShape, TaskGraph, TaskLevel, check_stages,
+};
 use stillpoint_wire::{CheckpointId, SourcePosition, TaskId};
 
-use crate::{EngineError, Operator, Sink, Source};
+use crate::{Combine, Combiner, EngineError, Operator, Sink, Source};
 
 /// Creates the source of a source stage's task `index`.
 pub type SourceFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Source>, EngineError> + Send + Sync>;
 
 /// Creates the operator of an operator stage's task `index`.
 pub type OperatorFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Operator>, EngineError> + Send + Sync>;
+
+/// Creates the [`Combiner`] of a stage's task `index` ([`Dataflow::combine`]).
+pub type CombinerFactory = Arc<dyn Fn(u32) -> Result<Box<dyn Combiner>, EngineError> + Send + Sync>;
 
 /// Creates a sink stage's sinks and settles what a changed sink parallelism leaves.
 pub trait SinkFactory: Send + Sync {
@@ -114,6 +119,8 @@ pub(crate) struct Stage {
     /// How the previous stage's output reaches this one (unused for the source).
     pub(crate) input: Partitioning,
     pub(crate) kind: StageKind,
+    /// The combiner its output goes through before the next stage's partitioning.
+    pub(crate) combiner: Option<(Combine, CombinerFactory)>,
 }
 
 /// A dataflow; see the module docs. Build it with [`Dataflow::source`], then
@@ -125,19 +132,7 @@ pub struct Dataflow {
 
 impl std::fmt::Debug for Dataflow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut list = f.debug_list();
-        for stage in &self.stages {
-            let kind = match stage.kind {
-                StageKind::Source(_) => "source",
-                StageKind::Operator(_) => "operator",
-                StageKind::Sink(_) => "sink",
-            };
-            list.entry(&format_args!(
-                "{kind} {:?} ×{} ({:?})",
-                stage.name, stage.parallelism, stage.input
-            ));
-        }
-        list.finish()
+        f.debug_list().entries(self.shapes()).finish()
     }
 }
 
@@ -155,6 +150,7 @@ impl Dataflow {
                 parallelism,
                 input: Partitioning::Forward,
                 kind: StageKind::Source(Arc::new(factory)),
+                combiner: None,
             }],
         }
     }
@@ -173,6 +169,7 @@ impl Dataflow {
             parallelism,
             input,
             kind: StageKind::Operator(Arc::new(factory)),
+            combiner: None,
         });
         self
     }
@@ -191,7 +188,26 @@ impl Dataflow {
             parallelism,
             input,
             kind: StageKind::Sink(Arc::new(factory)),
+            combiner: None,
         });
+        self
+    }
+
+    /// Folds the output of the stage added last with a [`Combiner`] per task before
+    /// it is partitioned to the next stage — pre-aggregation before the shuffle, so
+    /// the next (keyed) stage receives one partial aggregate per key per flush instead
+    /// of every record; `when` says when it flushes besides barriers, watermarks, the
+    /// end of input and an idle task. [`Dataflow::check`] refuses it on a sink stage
+    /// and with `when.max_records == 0`.
+    #[must_use]
+    pub fn combine(
+        mut self,
+        when: Combine,
+        factory: impl Fn(u32) -> Result<Box<dyn Combiner>, EngineError> + Send + Sync + 'static,
+    ) -> Self {
+        if let Some(stage) = self.stages.last_mut() {
+            stage.combiner = Some((when, Arc::new(factory)));
+        }
         self
     }
 
@@ -278,52 +294,27 @@ impl Dataflow {
         self.stages.iter().map(|s| s.parallelism).collect()
     }
 
-    /// Refuses a dataflow that cannot run, naming the stage: it must start with its
-    /// only source stage and end with its only sink stage, every stage needs at least
-    /// one task, names are unique, and a forward edge joins stages of equal
-    /// parallelism.
+    /// Refuses a dataflow that cannot run, naming the stage
+    /// ([`stillpoint_task::check_stages`]: the source stage first, the sink stage
+    /// last, no empty stage, unique names, forward edges between equal parallelisms,
+    /// combiners only where there is output).
     pub fn check(&self) -> Result<(), EngineError> {
-        let invalid = |what: String| Err(EngineError::Invalid(format!("dataflow: {what}")));
-        let last = self.stages.len().saturating_sub(1);
-        let mut names = std::collections::BTreeSet::new();
-        for (index, stage) in self.stages.iter().enumerate() {
-            let name = &stage.name;
-            if !names.insert(name.as_str()) {
-                return invalid(format!("two stages are called {name:?}"));
-            }
-            if stage.parallelism == 0 {
-                return invalid(format!("stage {name:?} has parallelism 0"));
-            }
-            match (&stage.kind, index) {
-                (StageKind::Source(_), 0) => {}
-                (StageKind::Source(_), _) => {
-                    return invalid(format!("source stage {name:?} is not the first stage"));
-                }
-                (StageKind::Sink(_), i) if i == last && i > 0 => {}
-                (StageKind::Sink(_), _) => {
-                    return invalid(format!("sink stage {name:?} is not the last stage"));
-                }
-                (StageKind::Operator(_), i) if i > 0 && i < last => {}
-                (StageKind::Operator(_), _) => {
-                    return invalid(format!(
-                        "operator stage {name:?} must come after the source and before the sink"
-                    ));
-                }
-            }
-            if let Some(previous) = index.checked_sub(1).and_then(|i| self.stages.get(i))
-                && stage.input == Partitioning::Forward
-                && stage.parallelism != previous.parallelism
-            {
-                return invalid(format!(
-                    "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
-                    stage.parallelism, previous.name, previous.parallelism
-                ));
-            }
-        }
-        if self.stages.len() < 2 {
-            return invalid("it needs a source stage and a sink stage".to_owned());
-        }
-        Ok(())
+        check_stages(&self.shapes()).map_err(|why| EngineError::Invalid(format!("dataflow: {why}")))
+    }
+
+    fn shapes<'a>(&'a self) -> Vec<StageShape<'a>> {
+        let shape = |stage: &'a Stage| StageShape {
+            name: &stage.name,
+            level: match stage.kind {
+                StageKind::Source(_) => TaskLevel::Source,
+                StageKind::Operator(_) => TaskLevel::Aggregate,
+                StageKind::Sink(_) => TaskLevel::Sink,
+            },
+            parallelism: stage.parallelism,
+            input: stage.input,
+            combine: stage.combiner.as_ref().map(|(when, _)| when.max_records),
+        };
+        self.stages.iter().map(shape).collect()
     }
 }
 
@@ -370,6 +361,16 @@ mod tests {
             _: &mut stillpoint_state::CachedState,
             _: &mut Vec<Record>,
         ) -> Result<(), EngineError> {
+            Ok(())
+        }
+    }
+
+    impl Combiner for Nothing {
+        fn add(&mut self, _: Record) -> Result<(), EngineError> {
+            Ok(())
+        }
+
+        fn flush(&mut self, _: &mut Vec<Record>) -> Result<(), EngineError> {
             Ok(())
         }
     }
@@ -465,6 +466,34 @@ mod tests {
                 "operator stage \"count\" must come after the source and before the sink",
             ),
             (source(1), "it needs a source stage and a sink stage"),
+            (
+                sink(
+                    count(source(2), "count", 3, Partitioning::Hash),
+                    3,
+                    Partitioning::Forward,
+                )
+                .combine(Combine::default(), |_| Ok(Box::new(Nothing) as _)),
+                "sink stage \"publish\" has no output to combine",
+            ),
+            (
+                sink(
+                    count(
+                        source(2).combine(
+                            Combine {
+                                max_records: 0,
+                                ..Combine::default()
+                            },
+                            |_| Ok(Box::new(Nothing) as _),
+                        ),
+                        "count",
+                        3,
+                        Partitioning::Hash,
+                    ),
+                    3,
+                    Partitioning::Forward,
+                ),
+                "the combiner of stage \"words\" flushes after 0 records",
+            ),
         ];
         for (flow, expected) in cases {
             let message = refused(&flow);

@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Select, Sender};
 use stillpoint_backup::Store;
 use stillpoint_state::{
-    CachedState, KeyGroupRouter, SnapshotDirs, SnapshotJob, TimeDomain, processing_time,
+    CachedState, Partitioner, SnapshotDirs, SnapshotJob, TimeDomain, processing_time,
 };
 use stillpoint_task::{
-    EventClock, EventTimeUpdate, TaskAction, TaskMachine, TaskStatus, Time, WatermarkGenerator,
+    CombineClock, EventClock, EventTimeUpdate, TaskAction, TaskMachine, TaskStatus, Time,
+    WatermarkGenerator,
 };
 use stillpoint_wire::{
     CheckpointId, Data, EndOfInput, Message, NodeId, SnapshotReport, SourceOffset, StreamId,
@@ -19,7 +20,7 @@ use stillpoint_wire::{
 };
 
 use crate::transport::{CoordinatorInput, Links};
-use crate::{EngineError, Operator, Record, Sink, Source, SourcePoll};
+use crate::{Combiner, EngineError, Operator, Record, Sink, Source, SourcePoll};
 
 /// What a task does with records.
 pub(crate) enum Role {
@@ -28,16 +29,8 @@ pub(crate) enum Role {
     Sink(Box<dyn Sink>),
 }
 
-/// How a task spreads its output over its downstreams.
-#[derive(Clone, Debug)]
-pub(crate) enum Partitioner {
-    /// One downstream (or none).
-    Forward,
-    /// Every record to every downstream.
-    Broadcast,
-    /// By the key group of the record's key, over downstreams in stage order.
-    KeyGroups(KeyGroupRouter),
-}
+/// A stage's [`Combiner`] on one of its tasks, and what decides its next flush.
+pub(crate) type Combining = (Box<dyn Combiner>, CombineClock);
 
 /// A synchronous snapshot handed to the export thread.
 pub(crate) struct ExportJob {
@@ -157,6 +150,8 @@ pub(crate) struct TaskDriver {
     pub(crate) watermarks: Option<WatermarkGenerator>,
     /// What it is doing for checkpoints, for the metrics endpoint.
     pub(crate) gauges: stillpoint_metrics::TaskProgress,
+    /// The stage's combiner, which its output goes through before partitioning.
+    pub(crate) combiner: Option<Combining>,
 }
 
 /// What a task's driver keeps track of as it goes.
@@ -227,6 +222,13 @@ impl TaskDriver {
             self.fire_timers(TimeDomain::ProcessingTime, processing_time())?;
             self.gauges.show(&self.machine);
             let now = self.now();
+            if self
+                .combiner
+                .as_ref()
+                .is_some_and(|(_, clock)| clock.late(now))
+            {
+                self.flush_combiner()?;
+            }
             if self.machine.poll_timeout().is_some_and(|t| t <= now) {
                 self.machine.handle_timeout(now);
                 self.apply_actions()?;
@@ -337,6 +339,7 @@ impl TaskDriver {
         // Paused: barriers go on (above), reading does not; not idle either, or
         // event time could pass records this source is still to read.
         if paused || (replaying && bound.is_none()) {
+            self.flush_combiner()?;
             return self.idle(Duration::from_millis(5));
         }
         let mut records = Vec::with_capacity(self.batch);
@@ -353,6 +356,8 @@ impl TaskDriver {
                 self.on_event_time(update)
             }
             SourcePoll::Idle => {
+                // Nothing to read now: what the combiner holds goes on at once.
+                self.flush_combiner()?;
                 let now = self.now();
                 let update = self.watermarks.as_mut().and_then(|w| w.on_nothing(now));
                 self.on_event_time(update)?;
@@ -423,7 +428,8 @@ impl TaskDriver {
                 }
             }
             let Ok(operation) = select.select_timeout(wait) else {
-                return Ok(());
+                // No input for a while: what the combiner holds goes on.
+                return self.flush_combiner();
             };
             let index = operation.index();
             if index == control {
@@ -514,8 +520,10 @@ impl TaskDriver {
         self.end_input()
     }
 
-    /// Tells every downstream that this task's input has ended (after its last record).
+    /// Tells every downstream that this task's input has ended (after its last record,
+    /// the combiner's included).
     fn end_input(&mut self) -> Result<(), EngineError> {
+        self.flush_combiner()?;
         let (stream, upstream) = (self.stream, self.task);
         self.broadcast(|downstream| {
             EndOfInput {
@@ -539,6 +547,8 @@ impl TaskDriver {
                 (time, false)
             }
         };
+        // A record folded before the watermark goes before it.
+        self.flush_combiner()?;
         let (stream, upstream) = (self.stream, self.task);
         self.broadcast(|downstream| {
             Watermark {
@@ -572,27 +582,44 @@ impl TaskDriver {
         Ok(())
     }
 
-    /// Partitions records over the downstreams and sends them.
+    /// Sends output on: through the stage's combiner when it has one (which flushes
+    /// when its [`CombineClock`] says), else straight to the downstreams.
     fn emit(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
+        let now = self.now();
+        let Some((combiner, clock)) = &mut self.combiner else {
+            return self.send(records);
+        };
+        let added = records.len();
+        for record in records {
+            combiner.add(record)?;
+        }
+        if clock.add(added, now) {
+            self.flush_combiner()?;
+        }
+        Ok(())
+    }
+
+    /// Sends on everything the combiner holds (nothing without one): before a
+    /// barrier, a watermark, the end of input, when the task has nothing to do, and
+    /// when its clock says.
+    fn flush_combiner(&mut self) -> Result<(), EngineError> {
+        let mut out = Vec::new();
+        match &mut self.combiner {
+            Some((combiner, clock)) if !clock.is_empty() => {
+                clock.flushed();
+                combiner.flush(&mut out)?;
+            }
+            _ => return Ok(()),
+        }
+        self.send(out)
+    }
+
+    /// Partitions records over the downstreams and sends them.
+    fn send(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
         if records.is_empty() || self.downstreams.is_empty() {
             return Ok(());
         }
-        let per: Vec<Vec<Record>> = if matches!(self.partitioner, Partitioner::Broadcast) {
-            // Records share their bytes: a copy per downstream is a reference count.
-            vec![records; self.downstreams.len()]
-        } else {
-            let mut per = vec![Vec::new(); self.downstreams.len()];
-            for record in records {
-                let target = match &self.partitioner {
-                    Partitioner::KeyGroups(router) => router.route(&record.key),
-                    Partitioner::Forward | Partitioner::Broadcast => 0,
-                };
-                if let Some(bucket) = per.get_mut(target) {
-                    bucket.push(record);
-                }
-            }
-            per
-        };
+        let per = self.partitioner.split(records, self.downstreams.len());
         for (downstream, bucket) in self.downstreams.clone().into_iter().zip(per) {
             if bucket.is_empty() {
                 continue;
@@ -621,6 +648,8 @@ impl TaskDriver {
                         operator.on_barrier(checkpoint, &mut self.state, &mut out)?;
                         self.emit(out)?;
                     }
+                    // Nothing of a checkpoint is inside a combiner.
+                    self.flush_combiner()?;
                 }
                 TaskAction::Snapshot { checkpoint, .. } => self.snapshot(checkpoint)?,
                 TaskAction::BlockInput(upstream) => {

@@ -42,15 +42,15 @@ pub use config::{
 };
 pub use coordinator::{CheckpointRun, RunEnded};
 pub use dataflow::{
-    Bounds, Dataflow, OperatorFactory, Partitioning, Published, SinkFactory, SourceFactory,
-    ToDataflow,
+    Bounds, CombinerFactory, Dataflow, OperatorFactory, Partitioning, Published, SinkFactory,
+    SourceFactory, ToDataflow,
 };
 pub use engine::{
     EdgeData, Engine, InProcess, RemoteEdge, RestoreChoice, TaskStart, Tasks, Transport,
 };
 pub use error::EngineError;
 pub use job::{checkpoint_history, run, run_word_count};
-pub use pipeline::{Operator, Persist, Sink, Source, SourcePoll};
+pub use pipeline::{Combine, Combiner, Operator, Persist, Sink, Source, SourcePoll};
 /// The job's lease as [`Engine::lease`] takes it (refreshed by a task beside its
 /// holder).
 pub use stillpoint_backup::KeptLease;

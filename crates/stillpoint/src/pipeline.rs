@@ -3,6 +3,9 @@
 //! sink) are in the `stillpoint-connectors` crate.
 
 use stillpoint_state::{CachedState, Timer};
+/// When the engine flushes a stage's [`Combiner`], besides barriers, watermarks, the
+/// end of input and an idle task.
+pub use stillpoint_task::Combine;
 use stillpoint_task::WatermarkStrategy;
 use stillpoint_wire::{CheckpointId, SourceOffset};
 
@@ -149,6 +152,30 @@ pub trait Operator: Send {
     fn deterministic(&self) -> bool {
         true
     }
+}
+
+/// Pre-aggregation before the shuffle (Flink's local aggregation of its two-phase
+/// aggregates, a MapReduce combiner): a stage's output is folded per key on the
+/// stage's own tasks, so the next stage receives one partial aggregate per key per
+/// flush instead of every record. Attach one with [`crate::Dataflow::combine`].
+///
+/// A combiner holds records only in memory, between two flushes the engine decides
+/// ([`Combine`]): when [`Combine::max_records`] records were added or
+/// [`Combine::max_delay`] passed since the first one, when the task has nothing to do,
+/// before every barrier (so a checkpoint never has records inside a combiner: nothing
+/// of it is state), before every watermark (a record folded before a watermark is
+/// sent before it) and at the end of input. A crash loses what it buffers, which is
+/// input after the last checkpoint, replayed by the restore.
+///
+/// What [`Combiner::flush`] emits must keep the keys of the records it folded (they
+/// are partitioned after it) and be what the next stage's operator understands: a
+/// partial count (`stillpoint_connectors::CountCombiner`) is merged by an operator
+/// that adds partial counts, not by one that counts records.
+pub trait Combiner: Send {
+    /// Folds one output record into what is buffered.
+    fn add(&mut self, record: Record) -> Result<(), EngineError>;
+    /// Appends everything buffered to `out` and forgets it.
+    fn flush(&mut self, out: &mut Vec<Record>) -> Result<(), EngineError>;
 }
 
 /// The durable half of a pre-commit, run on the task's export thread: the task never
