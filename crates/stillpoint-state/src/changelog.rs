@@ -222,7 +222,7 @@ fn check_segment(path: &Path) -> Result<u64, StateError> {
 pub(crate) type Entry = (Vec<u8>, Option<Vec<u8>>);
 
 /// What [`read_segment`] hands each state's entries to.
-pub(crate) type Apply<'a> = dyn FnMut(&str, &[Entry]) -> Result<(), StateError> + 'a;
+pub(crate) type Apply<'a> = dyn FnMut(&str, Vec<Entry>) -> Result<(), StateError> + 'a;
 
 /// Decodes the segment at `path` (checksum first, then the whole segment), then calls
 /// `apply` with each state and its entries whose key group is in `keep`. Returns the
@@ -255,7 +255,9 @@ pub(crate) fn read_segment(
         let name = String::from_utf8(reader.bytes("state name")?)
             .map_err(|_| reader.corrupt("a state name is not UTF-8"))?;
         let count = reader.u64("entry count")?;
-        let mut batch = Vec::new();
+        // The count is the file's word: capacity for at most 64 Ki entries up front.
+        let mut batch = Vec::with_capacity(usize::try_from(count.min(1 << 16)).unwrap_or(0));
+        // The previous key, in one reused buffer: no allocation per entry for it.
         let mut previous: Option<Vec<u8>> = None;
         for _ in 0..count {
             let key = reader.bytes("key")?;
@@ -274,10 +276,12 @@ pub(crate) fn read_segment(
             else {
                 return Err(reader.corrupt(format!("state `{name}`: a key shorter than its group")));
             };
+            let last = previous.get_or_insert_with(Vec::new);
+            last.clear();
+            last.extend_from_slice(&key);
             if keep.contains(group) {
-                batch.push((key.clone(), value));
+                batch.push((key, value));
             }
-            previous = Some(key);
         }
         blocks.push((name, batch));
     }
@@ -285,9 +289,9 @@ pub(crate) fn read_segment(
         return Err(reader.corrupt(format!("{} bytes after the end marker", reader.remaining)));
     }
     let mut applied = 0_u64;
-    for (name, batch) in &blocks {
-        apply(name, batch)?;
+    for (name, batch) in blocks {
         applied += u64::try_from(batch.len()).unwrap_or(0);
+        apply(&name, batch)?;
     }
     Ok(applied)
 }
@@ -306,18 +310,30 @@ pub(crate) fn replay_segments(
     paths: &[PathBuf],
     keep: KeyGroupRange,
 ) -> Result<u64, StateError> {
-    let mut merged: BTreeMap<String, BTreeMap<Vec<u8>, Option<Vec<u8>>>> = BTreeMap::new();
+    // Each segment's entries are sorted and the segments are in replay order: a
+    // stable sort of their concatenation merges the sorted runs (equal keys stay
+    // oldest first), and of each run of equal keys the last — the newest — is kept.
+    let mut merged: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
     for path in paths {
         read_segment(path, keep, &mut |state, batch| {
-            let keys = match merged.get_mut(state) {
-                Some(keys) => keys,
-                None => merged.entry(state.to_owned()).or_default(),
-            };
-            for (key, value) in batch {
-                keys.insert(key.clone(), value.clone());
+            match merged.get_mut(state) {
+                Some(entries) => entries.extend(batch),
+                None => {
+                    merged.insert(state.to_owned(), batch);
+                }
             }
             Ok(())
         })?;
+    }
+    for entries in merged.values_mut() {
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                std::mem::swap(later, kept);
+            }
+            same
+        });
     }
     let writes: Vec<StoredWrite<'_>> = merged
         .iter()
@@ -613,11 +629,7 @@ mod tests {
     fn decode(path: &Path, keep: KeyGroupRange) -> Result<Vec<Decoded>, StateError> {
         let mut out = Vec::new();
         read_segment(path, keep, &mut |state, batch| {
-            out.extend(
-                batch
-                    .iter()
-                    .map(|(k, v)| (state.to_owned(), k.clone(), v.clone())),
-            );
+            out.extend(batch.into_iter().map(|(k, v)| (state.to_owned(), k, v)));
             Ok(())
         })?;
         Ok(out)
