@@ -19,12 +19,12 @@
 //! byte before it (u32).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use rocksdb::DB;
 use stillpoint_wire::{KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile};
 
@@ -129,14 +129,15 @@ pub(crate) fn encode_segment(writes: &[StoredWrite<'_>]) -> Vec<u8> {
     out
 }
 
-/// Reads a segment's body, never past its declared end.
-struct SegmentReader<'p, R> {
-    inner: R,
-    remaining: u64,
+/// Reads a segment's body (in memory), never past its end; every field is a slice
+/// of the body, so decoding allocates nothing per entry.
+struct SegmentReader<'p> {
+    body: Bytes,
+    at: usize,
     path: &'p Path,
 }
 
-impl<R: Read> SegmentReader<'_, R> {
+impl SegmentReader<'_> {
     fn corrupt(&self, problem: impl Into<String>) -> StateError {
         StateError::CorruptSegment {
             file: self.path.to_path_buf(),
@@ -144,20 +145,24 @@ impl<R: Read> SegmentReader<'_, R> {
         }
     }
 
-    fn take(&mut self, n: u64, what: &str) -> Result<Vec<u8>, StateError> {
-        if n > self.remaining {
-            return Err(self.corrupt(format!(
-                "{what} of {n} bytes runs past the end ({} bytes left)",
-                self.remaining
-            )));
-        }
-        let len = usize::try_from(n).map_err(|_| self.corrupt(format!("{what} too long")))?;
-        let mut buf = vec![0; len];
-        self.inner
-            .read_exact(&mut buf)
-            .map_err(StateError::io("reading", self.path))?;
-        self.remaining -= n;
-        Ok(buf)
+    fn remaining(&self) -> usize {
+        self.body.len().saturating_sub(self.at)
+    }
+
+    fn take(&mut self, n: u64, what: &str) -> Result<Bytes, StateError> {
+        let left = self.remaining();
+        let end = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= left)
+            .map(|n| self.at + n)
+            .ok_or_else(|| {
+                self.corrupt(format!(
+                    "{what} of {n} bytes runs past the end ({left} bytes left)"
+                ))
+            })?;
+        let out = self.body.slice(self.at..end);
+        self.at = end;
+        Ok(out)
     }
 
     fn byte(&mut self, what: &str) -> Result<u8, StateError> {
@@ -171,55 +176,40 @@ impl<R: Read> SegmentReader<'_, R> {
         Ok(u64::from_le_bytes(out))
     }
 
-    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, StateError> {
+    fn bytes(&mut self, what: &str) -> Result<Bytes, StateError> {
         let len = self.u64(what)?;
         self.take(len, what)
     }
 }
 
-/// Checks a segment's CRC32C without keeping it in memory; returns the body's length.
-fn check_segment(path: &Path) -> Result<u64, StateError> {
+/// Reads a segment whole (one read: its size was verified against the manifest) and
+/// checks its CRC32C; returns the body, the checksum cut off.
+fn load_segment(path: &Path) -> Result<Bytes, StateError> {
     let corrupt = |problem: String| StateError::CorruptSegment {
         file: path.to_path_buf(),
         problem,
     };
-    let file = std::fs::File::open(path).map_err(StateError::io("opening", path))?;
-    let len = file.metadata().map_err(StateError::io("stat", path))?.len();
-    let minimum = u64::try_from(MAGIC.len()).unwrap_or(8) + 1 + 4;
-    if len < minimum {
+    let mut file = Bytes::from(std::fs::read(path).map_err(StateError::io("reading", path))?);
+    let minimum = MAGIC.len() + 1 + 4;
+    if file.len() < minimum {
         return Err(corrupt(format!(
-            "{len} bytes, shorter than an empty segment"
+            "{} bytes, shorter than an empty segment",
+            file.len()
         )));
     }
-    let body = len - 4;
-    let mut reader = BufReader::with_capacity(1 << 20, file);
-    let mut crc = 0_u32;
-    let mut left = body;
-    let mut buf = vec![0_u8; 1 << 20];
-    while left > 0 {
-        let want = usize::try_from(left.min(1 << 20)).unwrap_or(1 << 20);
-        let chunk = buf.get_mut(..want).unwrap_or_default();
-        reader
-            .read_exact(chunk)
-            .map_err(StateError::io("reading", path))?;
-        crc = crc32c::crc32c_append(crc, chunk);
-        left -= u64::try_from(want).unwrap_or(0);
-    }
-    let mut stored = [0_u8; 4];
-    reader
-        .read_exact(&mut stored)
-        .map_err(StateError::io("reading", path))?;
-    let stored = u32::from_le_bytes(stored);
+    let stored = file.split_off(file.len() - 4);
+    let stored = u32::from_le_bytes(stored.first_chunk::<4>().copied().unwrap_or_default());
+    let crc = crc32c::crc32c(&file);
     if stored != crc {
         return Err(corrupt(format!(
             "CRC32C {crc:08x}, the segment says {stored:08x}"
         )));
     }
-    Ok(body)
+    Ok(file)
 }
 
 /// A decoded entry of one state: stored key, value (`None`: deleted).
-pub(crate) type Entry = (Vec<u8>, Option<Vec<u8>>);
+pub(crate) type Entry = (Bytes, Option<Bytes>);
 
 /// What [`read_segment`] hands each state's entries to.
 pub(crate) type Apply<'a> = dyn FnMut(&str, Vec<Entry>) -> Result<(), StateError> + 'a;
@@ -232,15 +222,13 @@ pub(crate) fn read_segment(
     keep: KeyGroupRange,
     apply: &mut Apply<'_>,
 ) -> Result<u64, StateError> {
-    let body = check_segment(path)?;
-    let file = std::fs::File::open(path).map_err(StateError::io("opening", path))?;
     let mut reader = SegmentReader {
-        inner: BufReader::with_capacity(1 << 20, file),
-        remaining: body,
+        body: load_segment(path)?,
+        at: 0,
         path,
     };
     let magic = reader.take(8, "magic")?;
-    if magic != MAGIC {
+    if magic.as_ref() != MAGIC.as_slice() {
         return Err(reader.corrupt("not a changelog segment (wrong magic)"));
     }
     // Decoded whole before anything is applied: a segment is at most one
@@ -252,13 +240,12 @@ pub(crate) fn read_segment(
             STATE_BLOCK => {}
             other => return Err(reader.corrupt(format!("unknown block tag {other}"))),
         }
-        let name = String::from_utf8(reader.bytes("state name")?)
+        let name = String::from_utf8(reader.bytes("state name")?.to_vec())
             .map_err(|_| reader.corrupt("a state name is not UTF-8"))?;
         let count = reader.u64("entry count")?;
         // The count is the file's word: capacity for at most 64 Ki entries up front.
         let mut batch = Vec::with_capacity(usize::try_from(count.min(1 << 16)).unwrap_or(0));
-        // The previous key, in one reused buffer: no allocation per entry for it.
-        let mut previous: Option<Vec<u8>> = None;
+        let mut previous: Option<Bytes> = None;
         for _ in 0..count {
             let key = reader.bytes("key")?;
             let value = match reader.byte("entry kind")? {
@@ -276,17 +263,15 @@ pub(crate) fn read_segment(
             else {
                 return Err(reader.corrupt(format!("state `{name}`: a key shorter than its group")));
             };
-            let last = previous.get_or_insert_with(Vec::new);
-            last.clear();
-            last.extend_from_slice(&key);
+            previous = Some(key.clone()); // a reference count, not a copy
             if keep.contains(group) {
                 batch.push((key, value));
             }
         }
         blocks.push((name, batch));
     }
-    if reader.remaining != 0 {
-        return Err(reader.corrupt(format!("{} bytes after the end marker", reader.remaining)));
+    if reader.remaining() != 0 {
+        return Err(reader.corrupt(format!("{} bytes after the end marker", reader.remaining())));
     }
     let mut applied = 0_u64;
     for (name, batch) in blocks {
@@ -339,7 +324,7 @@ pub(crate) fn replay_segments(
         .iter()
         .flat_map(|(state, keys)| {
             keys.iter()
-                .map(move |(key, value)| (state.as_str(), key.as_slice(), value.as_deref()))
+                .map(move |(key, value)| (state.as_str(), key.as_ref(), value.as_deref()))
         })
         .collect();
     let entries = u64::try_from(writes.len()).unwrap_or(u64::MAX);
@@ -629,7 +614,11 @@ mod tests {
     fn decode(path: &Path, keep: KeyGroupRange) -> Result<Vec<Decoded>, StateError> {
         let mut out = Vec::new();
         read_segment(path, keep, &mut |state, batch| {
-            out.extend(batch.into_iter().map(|(k, v)| (state.to_owned(), k, v)));
+            out.extend(
+                batch
+                    .into_iter()
+                    .map(|(k, v)| (state.to_owned(), k.to_vec(), v.map(|v| v.to_vec()))),
+            );
             Ok(())
         })?;
         Ok(out)
