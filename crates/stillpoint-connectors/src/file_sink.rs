@@ -361,7 +361,11 @@ impl Sink for TransactionalFileSink {
         let dir = self.dir.join("pending");
         let target = dir.join(self.name(checkpoint));
         let staging = dir.join(format!(".{}.tmp", self.name(checkpoint)));
-        let contents = std::mem::take(&mut self.open);
+        // The next transaction starts with room for as much as this one held (up to
+        // 16 MiB): it does not regrow from nothing, copying as it goes, on the task's
+        // thread.
+        let room = self.open.len().min(16 << 20);
+        let contents = std::mem::replace(&mut self.open, Vec::with_capacity(room));
         Ok(Some(Box::new(move || {
             use std::io::Write;
             std::fs::create_dir_all(&dir).map_err(|e| EngineError::io("create", &dir, &e))?;
