@@ -103,14 +103,7 @@ fn fifty_random_crashes_lose_and_duplicate_nothing() {
 /// published twice would repeat them) and the last is its total (a lost or replayed
 /// partial count would miss or overshoot it). Returns how many updates there were.
 fn check_combined(job: &WordCount, round: u64) -> usize {
-    let totals = match &job.input {
-        WordInput::Generated {
-            words_per_source,
-            vocabulary,
-            seed,
-        } => support::word_totals(*seed, job.sources, *words_per_source, *vocabulary),
-        other => panic!("a generated job, not {other:?}"),
-    };
+    let totals = support::totals(job);
     let mut published: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let output = committed_output(job);
     for (word, count) in &output {

@@ -101,6 +101,7 @@ const PEERS: [Peer; 2] = [
 
 /// Runs every peer and returns its figures, next to stillpoint's from `figures`.
 pub(crate) fn run(quick: bool, figures: &[Figure]) -> Result<Vec<Figure>> {
+    // A figure of the engine bench by name.
     let rate_of = |name: &str| {
         figures
             .iter()
@@ -108,10 +109,7 @@ pub(crate) fn run(quick: bool, figures: &[Figure]) -> Result<Vec<Figure>> {
             .map(|f| f.value)
             .with_context(|| format!("the engine bench printed no `{name}` figure"))
     };
-    let our_checkpoint = figures
-        .iter()
-        .find(|f| f.name == STILLPOINT_CHECKPOINT)
-        .map(|f| f.value);
+    let our_checkpoint = rate_of(STILLPOINT_CHECKPOINT).ok();
     let home = target_dir()?.join("bench").join("peers");
     let mut out = Vec::new();
     for peer in &PEERS {

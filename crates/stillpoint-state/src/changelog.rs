@@ -320,20 +320,17 @@ pub(crate) fn replay_segments(
             same
         });
     }
-    let writes: Vec<StoredWrite<'_>> = merged
-        .iter()
-        .flat_map(|(state, keys)| {
-            keys.iter()
-                .map(move |(key, value)| (state.as_str(), key.as_ref(), value.as_deref()))
-        })
-        .collect();
-    let entries = u64::try_from(writes.len()).unwrap_or(u64::MAX);
-    if writes.len() >= INGEST_AT {
+    let count: usize = merged.values().map(Vec::len).sum();
+    let writes = merged.iter().flat_map(|(state, keys)| {
+        keys.iter()
+            .map(move |(key, value)| (state.as_str(), key.as_ref(), value.as_deref()))
+    });
+    if count >= INGEST_AT {
         ingest_stored(db, options, compression, writes)?;
-    } else if !writes.is_empty() {
+    } else if count > 0 {
         write_stored(db, options, writes)?;
     }
-    Ok(entries)
+    Ok(u64::try_from(count).unwrap_or(u64::MAX))
 }
 
 /// A segment written since the materialization.

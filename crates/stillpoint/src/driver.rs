@@ -585,9 +585,12 @@ impl TaskDriver {
     /// Sends output on: through the stage's combiner when it has one (which flushes
     /// when its [`CombineClock`] says), else straight to the downstreams.
     fn emit(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
+        if self.combiner.is_none() {
+            return self.send(records);
+        }
         let now = self.now();
         let Some((combiner, clock)) = &mut self.combiner else {
-            return self.send(records);
+            return Ok(());
         };
         let added = records.len();
         for record in records {

@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 use stillpoint::{EngineError, JobConfig, RunOptions, checkpoint_history, run};
 use stillpoint_connectors::{GeneratedWords, WordCount, WordInput, read_committed};
 
-/// What an exactly-once word count publishes, whatever happened during the run: for a
-/// word seen `n` times in total, the lines `(word, 1) … (word, n)`, each once.
-pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
+/// How often each word occurs in the word count's whole input.
+pub(crate) fn totals(job: &WordCount) -> BTreeMap<String, u64> {
     let mut totals: BTreeMap<String, u64> = BTreeMap::new();
     match &job.input {
         WordInput::Generated {
@@ -45,6 +44,13 @@ pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
             }
         }
     }
+    totals
+}
+
+/// What an exactly-once word count publishes, whatever happened during the run: for a
+/// word seen `n` times in total, the lines `(word, 1) … (word, n)`, each once.
+pub(crate) fn expected_output(job: &WordCount) -> Vec<(String, String)> {
+    let totals = totals(job);
     let mut out: Vec<(String, String)> = totals
         .into_iter()
         .flat_map(|(word, n)| (1..=n).map(move |k| (word.clone(), k.to_string())))
