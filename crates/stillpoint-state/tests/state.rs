@@ -723,6 +723,111 @@ fn changelog_snapshots_restore_their_barrier_across_background_materializations(
     );
 }
 
+/// In changelog mode a checkpoint's changes wait in memory (a segment on disk) until a
+/// materialization writes them into RocksDB. A spill in between must write those
+/// older changes first: otherwise a value the spill wrote is later overwritten by an
+/// older one still waiting, in RocksDB, in reads and in the next materialization.
+#[test]
+fn a_spill_writes_the_changes_waiting_before_it_so_newer_values_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StateConfig {
+        changelog: Some(ChangelogConfig::default()),
+        ..small_config()
+    };
+    let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+    let value = |tag: &str| format!("{tag:-<1000}").into_bytes();
+    // The tag of a read value (its first two bytes), for short failure messages.
+    let tag = |read: Option<Vec<u8>>| read.map(|v| String::from_utf8_lossy(&v[..2]).into_owned());
+    state.put("s", b"a", b"", &value("v1")).unwrap();
+    let first = state.snapshot(CheckpointId(1), dir.path().join("ckpt-1"));
+    first.run().unwrap();
+    // A small change set: not worth a materialization, it waits in memory.
+    state.put("s", b"a", b"", &value("v2")).unwrap();
+    let second = state.snapshot(CheckpointId(2), dir.path().join("ckpt-2"));
+    second.run().unwrap();
+    assert_eq!(
+        state.materializations(),
+        Some(1),
+        "only the first snapshot's"
+    );
+    // A newer value, then enough other keys to spill it.
+    state.put("s", b"a", b"", &value("v3")).unwrap();
+    for i in 0..2_000_u32 {
+        state
+            .put("s", format!("k{i}").as_bytes(), b"", &value("x"))
+            .unwrap();
+        if state.spills() > 0 {
+            break;
+        }
+    }
+    assert!(state.spills() > 0, "the writes never spilled");
+    // More than a quarter of the budget waits after the spill: the next snapshot
+    // starts a materialization of it.
+    for i in 0..300_u32 {
+        state
+            .put("s", format!("m{i}").as_bytes(), b"", &value("y"))
+            .unwrap();
+    }
+    let expected = dump(&state, "s", all());
+    let third = state.snapshot(CheckpointId(3), dir.path().join("ckpt-3"));
+    third.run().unwrap();
+    state.settle_materialization().unwrap();
+    assert_eq!(state.materializations(), Some(2), "the third snapshot's");
+    assert_eq!(
+        tag(state.get("s", b"a", b"").unwrap()).as_deref(),
+        Some("v3")
+    );
+    let fourth = state.snapshot(CheckpointId(4), dir.path().join("ckpt-4"));
+    let exported = fourth.run().unwrap();
+    let restored = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap();
+    assert_eq!(
+        tag(restored.get("s", b"a", b"").unwrap()).as_deref(),
+        Some("v3")
+    );
+    assert!(
+        dump(&restored, "s", all()) == expected,
+        "the restore differs"
+    );
+}
+
+/// In changelog mode a checkpoint writes a segment and nothing into RocksDB: its
+/// changes reach RocksDB with the next materialization, merged (each key once).
+#[test]
+fn changelog_checkpoints_leave_rocksdb_to_the_materialization() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StateConfig {
+        changelog: Some(ChangelogConfig::default()),
+        ..small_config()
+    };
+    let mut state = CachedState::new(open_with(&dir.path().join("db"), all(), config));
+    state.put("s", b"a", b"", b"1").unwrap();
+    state
+        .snapshot(CheckpointId(1), dir.path().join("ckpt-1"))
+        .run()
+        .unwrap();
+    assert_eq!(
+        state.backend().get("s", b"a", b"").unwrap(),
+        Some(b"1".to_vec())
+    );
+    state.put("s", b"a", b"", b"2").unwrap();
+    state.put("s", b"b", b"", b"3").unwrap();
+    let exported = state
+        .snapshot(CheckpointId(2), dir.path().join("ckpt-2"))
+        .run()
+        .unwrap();
+    assert_eq!(exported.manifest.changelog.len(), 1);
+    // The cache serves the new values; RocksDB still holds the materialized ones.
+    assert_eq!(state.get("s", b"a", b"").unwrap(), Some(b"2".to_vec()));
+    assert_eq!(
+        state.backend().get("s", b"a", b"").unwrap(),
+        Some(b"1".to_vec())
+    );
+    assert_eq!(state.backend().get("s", b"b", b"").unwrap(), None);
+    let restored = restore(dir.path(), &(exported.dir, exported.manifest), "r").unwrap();
+    assert_eq!(restored.get("s", b"a", b"").unwrap(), Some(b"2".to_vec()));
+    assert_eq!(restored.get("s", b"b", b"").unwrap(), Some(b"3".to_vec()));
+}
+
 /// A changelog segment damaged after the snapshot was taken is refused by the
 /// verified restore, naming the segment, before anything is opened.
 #[test]
