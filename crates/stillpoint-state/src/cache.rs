@@ -46,7 +46,7 @@ use crate::snapshot::{
 };
 use crate::{KeyedState, RocksStateBackend, StateBatch, StateError};
 
-pub(crate) type CacheKey = (u32, Vec<u8>);
+type CacheKey = (u32, Vec<u8>);
 
 /// Bytes an entry of a `key_len`-byte stored key is charged for (key, value and map
 /// overhead).
@@ -54,14 +54,14 @@ fn cost(key_len: usize, value: Option<&Vec<u8>>) -> usize {
     key_len + value.map_or(0, Vec::len) + 64
 }
 
-pub(crate) type Value = Option<Vec<u8>>;
+type Value = Option<Vec<u8>>;
 
 /// Changes to keyed state not yet in RocksDB. Plain values (an empty field) are
 /// hashed: a keyed aggregate's read-modify-write is two probes, never a walk of an
 /// ordered map comparing long shared key prefixes. Map entries (a non-empty field)
 /// stay ordered, so one key's fields are one range.
 #[derive(Debug, Default)]
-pub(crate) struct Changes {
+struct Changes {
     values: HashMap<CacheKey, Value>,
     entries: BTreeMap<CacheKey, Value>,
 }
@@ -70,7 +70,7 @@ pub(crate) struct Changes {
 /// number: ordered as the keys are wherever two prefixes differ (a key shorter than 12
 /// bytes pads with zeros, which sorts it before every longer key it begins), so only
 /// equal prefixes need the keys compared.
-pub(crate) fn sort_prefix(key: &CacheKey) -> u128 {
+fn sort_prefix(key: &CacheKey) -> u128 {
     let mut bytes = [0u8; 16];
     let id = key.0.to_be_bytes();
     for (slot, byte) in bytes.iter_mut().zip(id.iter().chain(&key.1)) {
@@ -122,13 +122,8 @@ impl Changes {
         }
     }
 
-    pub(crate) fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.values.len() + self.entries.len()
-    }
-
-    /// Every change, in no particular order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&CacheKey, &Value)> {
-        self.values.iter().chain(&self.entries)
     }
 
     /// Every change in key order: what an SST is written in, and what RocksDB's
@@ -191,24 +186,18 @@ impl Changes {
     }
 }
 
-/// The changes between two barriers (or up to a spill), frozen. In changelog mode a
-/// frozen map stays in memory, serving reads, after its segment is written and until
-/// a materialization writes it into RocksDB.
 #[derive(Debug)]
-pub(crate) struct Frozen {
-    pub(crate) seq: u64,
-    pub(crate) entries: Changes,
-    pub(crate) bytes: usize,
+struct Frozen {
+    seq: u64,
+    entries: Changes,
+    bytes: usize,
 }
 
 /// How far snapshot jobs have come; shared between the cache and its jobs.
 #[derive(Debug, Default)]
-pub(crate) struct Progress {
+struct Progress {
     /// Highest job sequence whose batch is in RocksDB.
-    pub(crate) written: AtomicU64,
-    /// Highest job sequence whose batch is safe: in RocksDB, or in a changelog segment
-    /// (which a materialization writes into RocksDB later).
-    logged: AtomicU64,
+    written: AtomicU64,
     /// Highest job sequence whose checkpoint exists (or that finished without one).
     checkpointed: Mutex<(u64, Option<String>)>,
     changed: Condvar,
@@ -386,14 +375,11 @@ impl CachedState {
             timers: crate::timers::TimerIndex::default(),
             changelog: None,
         };
-        cache.changelog = cache.backend.config.changelog.map(|config| {
-            Arc::new(Mutex::new(Changelog::new(
-                config,
-                &cache.backend.path,
-                Arc::clone(&cache.progress),
-                budget / 4,
-            )))
-        });
+        cache.changelog = cache
+            .backend
+            .config
+            .changelog
+            .map(|config| Arc::new(Mutex::new(Changelog::new(config, &cache.backend.path))));
         for state in cache.backend.states() {
             cache.id(&state);
         }
@@ -525,16 +511,6 @@ impl CachedState {
         }
         let last_frozen = self.next_seq - 1;
         self.progress.wait_checkpointed(last_frozen)?;
-        if let Some(log) = &self.changelog {
-            // The changes frozen before the spill go into RocksDB first: the spill's
-            // values are newer.
-            lock_changelog(log)?.apply_all(
-                &self.backend.db,
-                &self.backend.options,
-                self.backend.config.compression,
-                &self.names,
-            )?;
-        }
         self.release_frozen();
         let dirty = std::mem::take(&mut self.dirty);
         self.dirty_bytes = 0;
@@ -542,12 +518,12 @@ impl CachedState {
             .sorted()
             .map(|((id, key), value)| (self.name(*id), key.as_slice(), value.as_deref()))
             .collect();
-        // In changelog mode a spill is a segment too, and goes into RocksDB at once
-        // (it is there to free memory).
-        if let Some(log) = &self.changelog {
-            lock_changelog(log)?.append(&writes)?;
+        match &self.changelog {
+            Some(log) => {
+                lock_changelog(log)?.append(&self.backend.db, &self.backend.options, &writes)?;
+            }
+            None => self.backend.write_stored(writes)?,
         }
-        self.backend.write_stored(writes)?;
         // The next dirty set reuses the spilled one's allocation.
         let mut values = dirty.values;
         values.clear();
@@ -815,24 +791,15 @@ impl SnapshotJob {
             )
         });
         match &self.changelog {
-            // A segment only: the frozen map stays in the cache, serving reads, until a
-            // materialization writes it (merged with the others) into RocksDB. No
-            // memtable insert per change and checkpoint, no SST per checkpoint.
+            // A segment, then the memtable: no SST per checkpoint for compaction.
             Some(log) => {
                 let writes: Vec<StoredWrite<'_>> = writes.collect();
-                let mut log = lock_changelog(log)?;
-                log.append(&writes)?;
-                log.defer(Arc::clone(&self.frozen));
+                lock_changelog(log)?.append(&self.db, &self.options, &writes)?;
             }
-            None => {
-                ingest_stored(&self.db, &self.options, self.compression, writes)?;
-                self.progress
-                    .written
-                    .fetch_max(self.frozen.seq, Ordering::AcqRel);
-            }
+            None => ingest_stored(&self.db, &self.options, self.compression, writes)?,
         }
         self.progress
-            .logged
+            .written
             .fetch_max(self.frozen.seq, Ordering::AcqRel);
         Ok(started.elapsed())
     }
@@ -852,8 +819,8 @@ impl SnapshotJob {
         // Free what the cache let go of here, on the exporting thread.
         std::mem::take(&mut self.retired).free(&self.spare);
         if let Err(e) = &result {
-            if self.progress.logged.load(Ordering::Acquire) >= seq {
-                // The changes are safe; only this checkpoint's directory or
+            if self.progress.written.load(Ordering::Acquire) >= seq {
+                // The changes are in RocksDB; only this checkpoint's directory or
                 // manifest failed (its directory removed under it when the checkpoint
                 // was aborted, say). Later snapshots go on.
                 self.progress.mark_checkpointed(seq);
@@ -876,13 +843,7 @@ impl SnapshotJob {
         let (flush, checkpoint_time, linked) = match &self.changelog {
             Some(log) => {
                 let mut log = lock_changelog(log)?;
-                log.materialize(
-                    &self.db,
-                    &self.options,
-                    self.compression,
-                    &self.names,
-                    &self.digests,
-                )?;
+                log.materialize(&self.db, &self.names, &self.digests)?;
                 let flush = started.elapsed();
                 let started = Instant::now();
                 let linked = log.link_into(&self.dir)?;

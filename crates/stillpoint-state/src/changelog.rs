@@ -1,16 +1,11 @@
 //! Changelog checkpoints (the idea of Flink's changelog state backend): at a barrier
-//! the frozen change set is written as one sorted, checksummed *segment* — nothing
-//! else: no memtable insert, no flush, no SST per checkpoint, nothing for compaction
-//! to merge. The frozen map stays in the write-back cache, serving reads, until a
-//! *materialization* — in the background every
-//! [`ChangelogConfig::materialize_interval`], once the segments since the last one
-//! pass [`ChangelogConfig::materialize_bytes`], or once the maps waiting pass a
-//! quarter of the cache's budget — writes the waiting maps into RocksDB as one
-//! merged SST per state (each key once, however many checkpoints changed it) and
-//! takes a RocksDB checkpoint. The checkpoint is the last materialization plus the
-//! segments written after it began. Restore opens the materialization and replays
-//! the segments in order. A spill (the cache over its budget) writes every waiting
-//! map, then its own changes, into RocksDB at once.
+//! the frozen change set is written as one sorted, checksummed *segment* and goes to
+//! RocksDB's memtable — no flush, no SST per checkpoint, nothing for compaction to
+//! merge. The checkpoint is the last *materialization* (a RocksDB checkpoint, taken
+//! in the background every [`ChangelogConfig::materialize_interval`] or once the
+//! segments since the last one pass [`ChangelogConfig::materialize_bytes`]) plus the
+//! segments written after it began. Restore opens the materialization and replays the
+//! segments in order.
 //!
 //! Segments hold absolute values (a put of the key's value, or its delete), never
 //! deltas, so replaying one whose changes the materialization already holds changes
@@ -26,7 +21,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -35,7 +29,6 @@ use rocksdb::DB;
 use stillpoint_wire::{KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile};
 
 use crate::StateError;
-use crate::cache::{Frozen, Progress, sort_prefix};
 use crate::rocks::{StoredWrite, ingest_stored, write_stored};
 use crate::snapshot::{SharedDigests, create_checkpoint, flush_all, hash_files};
 
@@ -340,44 +333,6 @@ pub(crate) fn replay_segments(
     Ok(u64::try_from(count).unwrap_or(u64::MAX))
 }
 
-/// Writes the frozen maps `layers` (oldest first) into RocksDB: merged, the newest
-/// value of each key winning, in key order; one SST per state ingested when there
-/// are many changes, else one batch. Returns the entries written.
-pub(crate) fn apply_layers(
-    db: &DB,
-    options: &rocksdb::Options,
-    compression: crate::Compression,
-    names: &[String],
-    layers: &[Arc<Frozen>],
-) -> Result<usize, StateError> {
-    let total = layers.iter().map(|l| l.entries.len()).sum();
-    let mut all = Vec::with_capacity(total);
-    // Age 0 is the newest map: among equal keys the sort puts it first.
-    for (age, layer) in layers.iter().rev().enumerate() {
-        all.extend(
-            layer
-                .entries
-                .iter()
-                .map(|(key, value)| (sort_prefix(key), key, value, age)),
-        );
-    }
-    all.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)).then(a.3.cmp(&b.3)));
-    all.dedup_by(|later, kept| later.1 == kept.1);
-    let writes = all.iter().map(|(_, (id, stored), value, _)| {
-        (
-            names.get(*id as usize).map_or("", String::as_str),
-            stored.as_slice(),
-            value.as_deref(),
-        )
-    });
-    if all.len() >= INGEST_AT {
-        ingest_stored(db, options, compression, writes)?;
-    } else if !all.is_empty() {
-        write_stored(db, options, writes)?;
-    }
-    Ok(all.len())
-}
-
 /// A segment written since the materialization.
 #[derive(Clone, Debug)]
 struct Segment {
@@ -404,23 +359,13 @@ pub(crate) struct Changelog {
     next: u64,
     base: Option<Base>,
     segments: Vec<Segment>,
-    running: Option<Receiver<Materialized>>,
-    /// Frozen maps whose segments are written but whose changes are not yet in
-    /// RocksDB, oldest first (a materialization writes them).
-    unapplied: Vec<Arc<Frozen>>,
-    /// A materialization is due once the maps waiting hold this many bytes.
-    unapplied_cap: usize,
-    /// The cache's progress: a materialization marks the maps it wrote.
-    progress: Arc<Progress>,
+    running: Option<Receiver<Result<Base, StateError>>>,
     last_started: Instant,
     /// The files of the last snapshot built, for `shared`.
     previous: BTreeSet<String>,
     /// Materializations installed, for the tests and the logs.
     pub(crate) materializations: u64,
 }
-
-/// A materialization's outcome; a failed one hands back the maps it was to write.
-type Materialized = Result<Base, (StateError, Vec<Arc<Frozen>>)>;
 
 /// What a snapshot in changelog mode lists.
 pub(crate) struct LinkedSnapshot {
@@ -431,12 +376,7 @@ pub(crate) struct LinkedSnapshot {
 impl Changelog {
     /// A changelog for the database at `db_path` (any earlier one there is gone:
     /// the database it described was not restored from it).
-    pub(crate) fn new(
-        config: ChangelogConfig,
-        db_path: &Path,
-        progress: Arc<Progress>,
-        unapplied_cap: usize,
-    ) -> Self {
+    pub(crate) fn new(config: ChangelogConfig, db_path: &Path) -> Self {
         let dir = changelog_dir(db_path);
         let _gone = std::fs::remove_dir_all(&dir);
         Self {
@@ -446,9 +386,6 @@ impl Changelog {
             base: None,
             segments: Vec::new(),
             running: None,
-            unapplied: Vec::new(),
-            unapplied_cap,
-            progress,
             last_started: Instant::now(),
             previous: BTreeSet::new(),
             materializations: 0,
@@ -459,9 +396,13 @@ impl Changelog {
         self.segments.iter().map(|s| s.size).sum()
     }
 
-    /// Writes `writes` as the next segment (into RocksDB is the caller's part: now,
-    /// or later through [`Changelog::defer`]).
-    pub(crate) fn append(&mut self, writes: &[StoredWrite<'_>]) -> Result<(), StateError> {
+    /// Writes `writes` as the next segment, then into RocksDB (its memtable).
+    pub(crate) fn append(
+        &mut self,
+        db: &DB,
+        options: &rocksdb::Options,
+        writes: &[StoredWrite<'_>],
+    ) -> Result<(), StateError> {
         if writes.is_empty() {
             return Ok(());
         }
@@ -471,6 +412,7 @@ impl Changelog {
         let encoded = encode_segment(writes);
         let path = self.dir.join(&name);
         std::fs::write(&path, &encoded).map_err(StateError::io("writing", &path))?;
+        write_stored(db, options, writes.iter().copied())?;
         self.next += 1;
         self.segments.push(Segment {
             ordinal,
@@ -481,42 +423,11 @@ impl Changelog {
         Ok(())
     }
 
-    /// Leaves the frozen map of the segment just appended for a materialization to
-    /// write into RocksDB.
-    pub(crate) fn defer(&mut self, layer: Arc<Frozen>) {
-        self.unapplied.push(layer);
-    }
-
-    fn unapplied_bytes(&self) -> usize {
-        self.unapplied.iter().map(|l| l.bytes).sum()
-    }
-
-    /// Waits for a running materialization, then writes every map still waiting into
-    /// RocksDB, here: afterwards RocksDB holds every segment's changes.
-    pub(crate) fn apply_all(
-        &mut self,
-        db: &DB,
-        options: &rocksdb::Options,
-        compression: crate::Compression,
-        names: &[String],
-    ) -> Result<(), StateError> {
-        self.settle();
-        let Some(last) = self.unapplied.last().map(|l| l.seq) else {
-            return Ok(());
-        };
-        apply_layers(db, options, compression, names, &self.unapplied)?;
-        self.unapplied.clear();
-        self.progress.written.fetch_max(last, Ordering::AcqRel);
-        Ok(())
-    }
-
     /// Installs a finished materialization; starts one when due (in the calling
     /// thread when there is none yet: a snapshot needs one to stand on).
     pub(crate) fn materialize(
         &mut self,
         db: &Arc<DB>,
-        options: &rocksdb::Options,
-        compression: crate::Compression,
         names: &[String],
         digests: &SharedDigests,
     ) -> Result<(), StateError> {
@@ -528,7 +439,6 @@ impl Changelog {
         let dir = self.dir.join(format!("base-{covers:020}"));
         if self.base.is_none() {
             self.last_started = Instant::now();
-            self.apply_all(db, options, compression, names)?;
             let base = build_base(db, names, dir, covers, digests)?;
             self.install(base);
             return Ok(());
@@ -538,52 +448,23 @@ impl Changelog {
         let due = self.last_started.elapsed() >= self.config.materialize_interval
             || pending >= self.config.materialize_bytes
             || pending >= base_bytes.max(OUTGROWN_FLOOR)
-            || self.segments.len() >= MAX_SEGMENTS
-            || self.unapplied_bytes() >= self.unapplied_cap;
+            || self.segments.len() >= MAX_SEGMENTS;
         if !due || self.segments.is_empty() {
             return Ok(());
         }
         self.last_started = Instant::now();
         let (done, running) = mpsc::channel();
         let (db, names, digests) = (Arc::clone(db), names.to_vec(), Arc::clone(digests));
-        let (options, progress) = (options.clone(), Arc::clone(&self.progress));
-        // Every map waiting belongs to a segment up to `covers`; later segments'
-        // maps wait for the next materialization.
-        let layers = std::mem::take(&mut self.unapplied);
-        let kept = layers.clone();
         let spawned = std::thread::Builder::new()
             .name("stillpoint-materialize".into())
             .spawn(move || {
-                let applied = apply_layers(&db, &options, compression, &names, &layers);
-                let outcome = match applied {
-                    Ok(_) => {
-                        if let Some(last) = layers.last() {
-                            progress.written.fetch_max(last.seq, Ordering::AcqRel);
-                        }
-                        // The cache frees the maps once it lets go of them too.
-                        drop(layers);
-                        build_base(&db, &names, dir, covers, &digests)
-                            .map_err(|error| (error, Vec::new()))
-                    }
-                    Err(error) => Err((error, layers)),
-                };
-                let _sent = done.send(outcome);
+                let _sent = done.send(build_base(&db, &names, dir, covers, &digests));
             });
         match spawned {
             Ok(_) => self.running = Some(running),
-            Err(error) => {
-                tracing::warn!(%error, "could not start a materialization");
-                // The thread never ran: its maps wait for the next one.
-                self.requeue(kept);
-            }
+            Err(error) => tracing::warn!(%error, "could not start a materialization"),
         }
         Ok(())
-    }
-
-    /// Puts back maps a materialization did not write, ahead of those deferred since.
-    fn requeue(&mut self, mut layers: Vec<Arc<Frozen>>) {
-        layers.append(&mut self.unapplied);
-        self.unapplied = layers;
     }
 
     /// Installs a materialization that finished; logs and forgets one that failed
@@ -611,12 +492,11 @@ impl Changelog {
 
     /// Installs a materialization that finished, or logs one that failed (the
     /// changelog grows until the next one).
-    fn finish(&mut self, result: Materialized) {
+    fn finish(&mut self, result: Result<Base, StateError>) {
         match result {
             Ok(base) => self.install(base),
-            Err((error, layers)) => {
+            Err(error) => {
                 tracing::warn!(%error, "materialization failed; the changelog grows until the next one");
-                self.requeue(layers);
             }
         }
     }
