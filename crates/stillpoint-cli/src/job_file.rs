@@ -46,6 +46,7 @@
 //! changelog = true                  # snapshots = materialization + changelog segments
 //! materialize_interval = "60s"      # (changelog) materialize at least this often
 //! materialize_mib = 256             # ... or once this much changelog piles up
+//! materialize_percent = 100         # ... or this % of the state (lower: faster restores)
 //!
 //! [metrics]
 //! listen = "127.0.0.1:9464"         # Prometheus text at /metrics; default: off
@@ -374,6 +375,7 @@ struct StateSection {
     #[serde(with = "humantime_serde")]
     materialize_interval: Duration,
     materialize_mib: u64,
+    materialize_percent: u32,
 }
 
 impl Default for StateSection {
@@ -384,6 +386,7 @@ impl Default for StateSection {
             changelog: defaults.changelog.is_some(),
             materialize_interval: changelog.materialize_interval,
             materialize_mib: changelog.materialize_bytes >> 20,
+            materialize_percent: changelog.materialize_percent,
             compression: CompressionName::Lz4,
             bottommost_compression: CompressionName::Zstd,
             block_cache_mib: defaults.block_cache_bytes >> 20,
@@ -692,6 +695,7 @@ impl JobFile {
             changelog: state.changelog.then_some(ChangelogConfig {
                 materialize_interval: state.materialize_interval,
                 materialize_bytes: state.materialize_mib << 20,
+                materialize_percent: state.materialize_percent,
             }),
         };
         config.lease_ttl = job.lease_ttl;
@@ -867,6 +871,7 @@ keep_last = 5
 [state]
 compression = "none"
 cache_budget_mib = 32
+materialize_percent = 25
 [metrics]
 listen = "127.0.0.1:9464"
 [cluster]
@@ -895,6 +900,10 @@ combine = true
         assert_eq!(job.config.retention.keep_last, 5);
         assert_eq!(job.config.state.compression, Compression::None);
         assert_eq!(job.config.state.cache_budget_bytes, 32 << 20);
+        assert_eq!(
+            job.config.state.changelog.map(|c| c.materialize_percent),
+            Some(25)
+        );
         assert_eq!(
             job.config.metrics_listen,
             Some("127.0.0.1:9464".parse().unwrap())

@@ -13,6 +13,8 @@
 //!
 //! Sizes: `STILLPOINT_BENCH_KEYS` keys of 100-byte values for the large state
 //! (default 10,000,000 ≈ 1 GiB; `cargo xtask bench --quick` sets 1,000,000).
+//! `STILLPOINT_BENCH_STATE_ONLY=restore` runs the restore figure alone;
+//! `STILLPOINT_BENCH_MATERIALIZE_PERCENT` runs it at another `materialize_percent`.
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -176,6 +178,17 @@ fn figures() {
     let n = keys();
     let (ops, rounds) = if smoke() { (2_000, 3) } else { (200_000, 20) };
     let dir = tempfile::tempdir().unwrap();
+    // 1,000 checkpoints is several materialization cycles at any size: the longest
+    // changelog no longer grows with more (it is bounded by the state's own size).
+    let restore_rounds = if smoke() { 30 } else { 1_000 };
+    if std::env::var("STILLPOINT_BENCH_STATE_ONLY").as_deref() == Ok("restore") {
+        restore_figure(
+            &dir.path().join("restore"),
+            n.min(1_000_000),
+            restore_rounds,
+        );
+        return;
+    }
 
     // Hot keys: interleaved rounds.
     let mut state = cached(&dir.path().join("hot-cached"), 256 << 20);
@@ -253,10 +266,11 @@ fn figures() {
     );
     // P9: what the task waits for at a barrier, at 8× ÷ 1× the state.
     let (sync_small, sync_big) = (percentile(&stalls, 50), percentile(&big_stalls, 50));
-    // 1,000 checkpoints is several materialization cycles at any size: the longest
-    // changelog no longer grows with more (it is bounded by the state's own size).
-    let rounds = if smoke() { 30 } else { 1_000 };
-    restore_figure(&dir.path().join("restore"), n.min(1_000_000), rounds);
+    restore_figure(
+        &dir.path().join("restore"),
+        n.min(1_000_000),
+        restore_rounds,
+    );
     println!(
         "FIGURE state.sync_snapshot_8x_vs_1x = {:.2} ratio goal <= 1.5 (P9: the barrier's synchronous snapshot, median of {} barriers each, {} keys {:.3} ms vs {n} keys {:.3} ms)",
         sync_big / sync_small.max(1e-9),
@@ -269,15 +283,24 @@ fn figures() {
 
 /// Restore after a long run of changelog checkpoints ÷ restore from a fresh
 /// materialization: `rounds` checkpoints each changing 1 % of `keys` random keys, with
-/// no time- or size-limit but the changelog's own "as large as its materialization";
-/// the snapshot whose changelog is the largest of the run is restored, and so is one
-/// taken right after a materialization (median of 3 alternating restores each).
+/// no time- or size-limit but the changelog's own `materialize_percent` of its
+/// materialization;
+/// the snapshot whose changelog is the largest of the run is restored, and so is the
+/// one with the smallest in the run's second half — taken right after a
+/// materialization was installed (median of 5 alternating restores each, with the
+/// loaded database closed).
 fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
+    // The default unless `STILLPOINT_BENCH_MATERIALIZE_PERCENT` says otherwise.
+    let percent = std::env::var("STILLPOINT_BENCH_MATERIALIZE_PERCENT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ChangelogConfig::default().materialize_percent);
     let config = StateConfig {
         cache_budget_bytes: 1 << 30,
         changelog: Some(ChangelogConfig {
             materialize_interval: std::time::Duration::MAX,
             materialize_bytes: u64::MAX,
+            materialize_percent: percent,
         }),
         ..StateConfig::default()
     };
@@ -285,6 +308,10 @@ fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
     load(&mut state, None, keys);
     let mut x = 11_u64;
     let mut longest: Option<ExportedSnapshot> = None;
+    // The snapshot with the shortest changelog in the second half of the run: one
+    // taken right after a materialization was installed, of the same state at the
+    // same age as the longest.
+    let mut fresh: Option<ExportedSnapshot> = None;
     let changelog_bytes = |e: &ExportedSnapshot| -> u64 {
         e.manifest
             .files
@@ -293,7 +320,12 @@ fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
             .map(|f| f.size)
             .sum()
     };
+    // Checkpoints every 100 ms, as the goal states it (a round that takes longer is
+    // followed at once by the next).
+    let started = Instant::now();
     for round in 0..rounds {
+        let due = started + std::time::Duration::from_millis(100) * u32::try_from(round).unwrap();
+        std::thread::sleep(due.saturating_duration_since(Instant::now()));
         if round > 0 {
             for _ in 0..keys / 100 {
                 let value = next(&mut x).to_le_bytes().repeat(12);
@@ -306,27 +338,37 @@ fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
             .snapshot(CheckpointId(round + 1), dir.join(format!("ckpt-{round}")))
             .run()
             .unwrap();
-        if longest
-            .as_ref()
-            .is_none_or(|l| changelog_bytes(&exported) > changelog_bytes(l))
+        let bytes = changelog_bytes(&exported);
+        let mut kept = false;
+        if longest.as_ref().is_none_or(|l| bytes > changelog_bytes(l)) {
+            if let Some(old) = longest.replace(exported.clone())
+                && fresh.as_ref().is_none_or(|f| f.dir != old.dir)
+            {
+                std::fs::remove_dir_all(&old.dir).unwrap();
+            }
+            kept = true;
+        }
+        if round >= rounds / 2
+            && bytes > 0
+            && fresh.as_ref().is_none_or(|f| bytes < changelog_bytes(f))
         {
-            longest = Some(exported);
-        } else {
+            if let Some(old) = fresh.replace(exported.clone())
+                && longest.as_ref().is_none_or(|l| l.dir != old.dir)
+            {
+                std::fs::remove_dir_all(&old.dir).unwrap();
+            }
+            kept = true;
+        }
+        if !kept {
             std::fs::remove_dir_all(&exported.dir).unwrap();
         }
     }
-    state.settle_materialization().unwrap();
-    // One more change set, so the fresh snapshot is a materialization plus a segment.
-    for _ in 0..keys / 100 {
-        state
-            .put("s", &(next(&mut x) % keys).to_le_bytes(), b"", &[9; 96])
-            .unwrap();
-    }
-    let fresh = state
-        .snapshot(CheckpointId(rounds + 1), dir.join("fresh"))
-        .run()
-        .unwrap();
+    let fresh = fresh.unwrap();
     let longest = longest.unwrap();
+    let materializations = state.materializations().unwrap_or(0);
+    // Closed before the timed restores: its background flushes and compactions would
+    // otherwise run beside them (the live database of a recovered task is gone too).
+    drop(state);
     let groups = KeyGroups::new(128).unwrap();
     // What a recovery does: fetch every file (here a copy from the snapshot, as the
     // `file://` store's download copies), verify, link, open, replay.
@@ -357,15 +399,15 @@ fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
         elapsed
     };
     let (mut long_times, mut fresh_times) = (Vec::new(), Vec::new());
-    for i in 0..3 {
+    for i in 0..5 {
         long_times.push(restore(&longest, &dir.join(format!("r-long-{i}"))));
         fresh_times.push(restore(&fresh, &dir.join(format!("r-fresh-{i}"))));
     }
     let (long, fresh_time) = (median(long_times), median(fresh_times));
     println!(
-        "FIGURE state.restore_changelog_vs_materialized = {:.2} ratio goal <= 2 ({rounds} checkpoints of 1% of {keys} keys, {} materializations; the longest changelog: {} segments, {:.1} MiB beside {:.1} MiB of state, restored in {:.1} ms; from a fresh materialization {:.1} ms; fetch (copy) + verify + link + open + replay)",
+        "FIGURE state.restore_changelog_vs_materialized = {:.2} ratio goal <= 2 ({rounds} checkpoints of 1% of {keys} keys every 100 ms, materialize_percent {percent}: {} materializations; the longest changelog: {} segments, {:.1} MiB beside {:.1} MiB of state, restored in {:.1} ms; from a fresh materialization {:.1} ms; fetch (copy) + verify + link + open + replay)",
         long / fresh_time.max(1e-9),
-        state.materializations().unwrap_or(0),
+        materializations,
         longest.manifest.changelog.len(),
         changelog_bytes(&longest) as f64 / f64::from(1 << 20),
         (longest.manifest.total_bytes() - changelog_bytes(&longest)) as f64 / f64::from(1 << 20),

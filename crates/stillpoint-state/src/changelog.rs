@@ -39,10 +39,20 @@ pub struct ChangelogConfig {
     /// Default 60 s: a restore replays at most about this much of changes.
     pub materialize_interval: Duration,
     /// ... or once the segments not yet materialized hold this many bytes. Default
-    /// 256 MiB. A changelog also materializes once it is as large as its last
-    /// materialization (and at least 4 MiB), so a restore never reads much more than
-    /// twice the state, and once 64 segments wait (each snapshot lists them all).
+    /// 256 MiB. A changelog also materializes once 64 segments wait (each snapshot
+    /// lists them all).
     pub materialize_bytes: u64,
+    /// ... or once the segments not yet materialized hold this percentage of the
+    /// last materialization's bytes (and at least 4 MiB). Default 100: a restore
+    /// reads at most about twice the state. Lower it for faster restores at the
+    /// price of more materializations: replaying a segment costs about 9 ms per MiB
+    /// against about 2 ms per MiB to fetch, verify and open a materialization, so at
+    /// 25 the worst restore of a long run of checkpoints took 1.8–3.4 times a
+    /// restore from a fresh materialization where 100 took 5.4 times
+    /// (`state.restore_changelog_vs_materialized`), while 16 tasks checkpointing
+    /// every second on two cores ran at 0.55–0.59 of checkpoints off instead of
+    /// 0.68–0.80 (`engine.shortest_sustained_interval`): docs/performance-figures.md.
+    pub materialize_percent: u32,
 }
 
 impl Default for ChangelogConfig {
@@ -50,6 +60,7 @@ impl Default for ChangelogConfig {
         Self {
             materialize_interval: Duration::from_secs(60),
             materialize_bytes: 256 << 20,
+            materialize_percent: 100,
         }
     }
 }
@@ -61,8 +72,8 @@ const PUT: u8 = 1;
 const DELETE: u8 = 0;
 /// Replayed entries from which an SST is built and ingested rather than written.
 const INGEST_AT: usize = 65_536;
-/// A changelog as large as its materialization (and at least this) is due for one
-/// whatever the interval: a restore then reads at most about twice the state.
+/// The least changelog a materialization is due at for its size relative to the
+/// last one ([`ChangelogConfig::materialize_percent`]).
 const OUTGROWN_FLOOR: u64 = 4 << 20;
 /// Segments a snapshot lists at most before a materialization is due: each snapshot
 /// links and lists every segment since the materialization, so their number is the
@@ -129,8 +140,9 @@ pub(crate) fn encode_segment(writes: &[StoredWrite<'_>]) -> Vec<u8> {
     out
 }
 
-/// Reads a segment's body (in memory), never past its end; every field is a slice
-/// of the body, so decoding allocates nothing per entry.
+/// Reads a segment's body (in memory), never past its end. Lengths and tags are read
+/// from the bytes in place; keys and values are ranges of the body, cut into `Bytes`
+/// only when kept (a reference count each, no copy).
 struct SegmentReader<'p> {
     body: Bytes,
     at: usize,
@@ -149,7 +161,8 @@ impl SegmentReader<'_> {
         self.body.len().saturating_sub(self.at)
     }
 
-    fn take(&mut self, n: u64, what: &str) -> Result<Bytes, StateError> {
+    /// The range of the next `n` bytes, which are consumed.
+    fn take(&mut self, n: u64, what: &str) -> Result<std::ops::Range<usize>, StateError> {
         let left = self.remaining();
         let end = usize::try_from(n)
             .ok()
@@ -160,23 +173,28 @@ impl SegmentReader<'_> {
                     "{what} of {n} bytes runs past the end ({left} bytes left)"
                 ))
             })?;
-        let out = self.body.slice(self.at..end);
+        let range = self.at..end;
         self.at = end;
-        Ok(out)
+        Ok(range)
+    }
+
+    fn slice(&self, range: std::ops::Range<usize>) -> &[u8] {
+        self.body.get(range).unwrap_or_default()
     }
 
     fn byte(&mut self, what: &str) -> Result<u8, StateError> {
-        Ok(self.take(1, what)?.first().copied().unwrap_or_default())
+        let range = self.take(1, what)?;
+        Ok(self.slice(range).first().copied().unwrap_or_default())
     }
 
     fn u64(&mut self, what: &str) -> Result<u64, StateError> {
-        let bytes = self.take(8, what)?;
-        let mut out = [0; 8];
-        out.copy_from_slice(&bytes);
-        Ok(u64::from_le_bytes(out))
+        let range = self.take(8, what)?;
+        let bytes = self.slice(range).first_chunk::<8>().copied();
+        Ok(u64::from_le_bytes(bytes.unwrap_or_default()))
     }
 
-    fn bytes(&mut self, what: &str) -> Result<Bytes, StateError> {
+    /// A length-prefixed field: its range.
+    fn field(&mut self, what: &str) -> Result<std::ops::Range<usize>, StateError> {
         let len = self.u64(what)?;
         self.take(len, what)
     }
@@ -228,7 +246,7 @@ pub(crate) fn read_segment(
         path,
     };
     let magic = reader.take(8, "magic")?;
-    if magic.as_ref() != MAGIC.as_slice() {
+    if reader.slice(magic) != MAGIC.as_slice() {
         return Err(reader.corrupt("not a changelog segment (wrong magic)"));
     }
     // Decoded whole before anything is applied: a segment is at most one
@@ -240,32 +258,40 @@ pub(crate) fn read_segment(
             STATE_BLOCK => {}
             other => return Err(reader.corrupt(format!("unknown block tag {other}"))),
         }
-        let name = String::from_utf8(reader.bytes("state name")?.to_vec())
+        let name = reader.field("state name")?;
+        let name = String::from_utf8(reader.slice(name).to_vec())
             .map_err(|_| reader.corrupt("a state name is not UTF-8"))?;
         let count = reader.u64("entry count")?;
         // The count is the file's word: capacity for at most 64 Ki entries up front.
         let mut batch = Vec::with_capacity(usize::try_from(count.min(1 << 16)).unwrap_or(0));
-        let mut previous: Option<Bytes> = None;
+        let mut previous: Option<std::ops::Range<usize>> = None;
         for _ in 0..count {
-            let key = reader.bytes("key")?;
+            let key = reader.field("key")?;
             let value = match reader.byte("entry kind")? {
-                PUT => Some(reader.bytes("value")?),
+                PUT => Some(reader.field("value")?),
                 DELETE => None,
                 other => return Err(reader.corrupt(format!("unknown entry kind {other}"))),
             };
+            let bytes = reader.slice(key.clone());
             // Sorted, each key once: a replay in any other order could be wrong.
-            if previous.as_ref().is_some_and(|last| *last >= key) {
+            if previous
+                .as_ref()
+                .is_some_and(|last| reader.slice(last.clone()) >= bytes)
+            {
                 return Err(reader.corrupt(format!("state `{name}`: keys out of order")));
             }
-            let Some(group) = key
+            let Some(group) = bytes
                 .first_chunk::<2>()
                 .map(|g| u32::from(u16::from_be_bytes(*g)))
             else {
                 return Err(reader.corrupt(format!("state `{name}`: a key shorter than its group")));
             };
-            previous = Some(key.clone()); // a reference count, not a copy
+            previous = Some(key.clone());
             if keep.contains(group) {
-                batch.push((key, value));
+                batch.push((
+                    reader.body.slice(key),
+                    value.map(|value| reader.body.slice(value)),
+                ));
             }
         }
         blocks.push((name, batch));
@@ -295,9 +321,6 @@ pub(crate) fn replay_segments(
     paths: &[PathBuf],
     keep: KeyGroupRange,
 ) -> Result<u64, StateError> {
-    // Each segment's entries are sorted and the segments are in replay order: a
-    // stable sort of their concatenation merges the sorted runs (equal keys stay
-    // oldest first), and of each run of equal keys the last — the newest — is kept.
     let mut merged: BTreeMap<String, Vec<Entry>> = BTreeMap::new();
     for path in paths {
         read_segment(path, keep, &mut |state, batch| {
@@ -310,20 +333,19 @@ pub(crate) fn replay_segments(
             Ok(())
         })?;
     }
-    for entries in merged.values_mut() {
-        entries.sort_by(|a, b| a.0.cmp(&b.0));
-        entries.dedup_by(|later, kept| {
-            let same = later.0 == kept.0;
-            if same {
-                std::mem::swap(later, kept);
-            }
-            same
-        });
-    }
-    let count: usize = merged.values().map(Vec::len).sum();
-    let writes = merged.iter().flat_map(|(state, keys)| {
-        keys.iter()
-            .map(move |(key, value)| (state.as_str(), key.as_ref(), value.as_deref()))
+    let merged: Vec<(String, Vec<Entry>, Vec<usize>)> = merged
+        .into_iter()
+        .map(|(state, entries)| {
+            let newest = newest_in_key_order(&entries);
+            (state, entries, newest)
+        })
+        .collect();
+    let count: usize = merged.iter().map(|(_, _, newest)| newest.len()).sum();
+    let writes = merged.iter().flat_map(|(state, entries, newest)| {
+        newest.iter().filter_map(move |&i| {
+            let (key, value) = entries.get(i)?;
+            Some((state.as_str(), key.as_ref(), value.as_deref()))
+        })
     });
     if count >= INGEST_AT {
         ingest_stored(db, options, compression, writes)?;
@@ -331,6 +353,43 @@ pub(crate) fn replay_segments(
         write_stored(db, options, writes)?;
     }
     Ok(u64::try_from(count).unwrap_or(u64::MAX))
+}
+
+/// The first 16 bytes of `key`, zero-padded, as one number: ordered as the keys are
+/// wherever two prefixes differ (a shorter key pads with zeros, which sorts it before
+/// every longer key it begins), so only equal prefixes need the keys compared.
+fn prefix16(key: &[u8]) -> u128 {
+    let mut bytes = [0u8; 16];
+    for (slot, byte) in bytes.iter_mut().zip(key) {
+        *slot = *byte;
+    }
+    u128::from_be_bytes(bytes)
+}
+
+/// The indices of `entries` — sorted runs, one per segment, in replay order — that
+/// hold each key's newest value, in key order. A stable sort of (prefix, index)
+/// pairs merges the runs (equal keys stay in replay order) comparing numbers held
+/// inline; only equal prefixes look at the keys, which live in the segments'
+/// buffers (comparing those directly was a cache miss per comparison).
+fn newest_in_key_order(entries: &[Entry]) -> Vec<usize> {
+    let key = |i: usize| entries.get(i).map_or(&[][..], |entry| entry.0.as_ref());
+    let mut order: Vec<(u128, usize)> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| (prefix16(&entry.0), i))
+        .collect();
+    order.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| key(a.1).cmp(key(b.1))));
+    let mut newest: Vec<usize> = Vec::with_capacity(order.len());
+    let mut last_prefix = None;
+    for (prefix, i) in order {
+        match newest.last_mut() {
+            // Equal keys come in replay order: a later one is newer.
+            Some(last) if last_prefix == Some(prefix) && key(*last) == key(i) => *last = i,
+            _ => newest.push(i),
+        }
+        last_prefix = Some(prefix);
+    }
+    newest
 }
 
 /// A segment written since the materialization.
@@ -447,7 +506,9 @@ impl Changelog {
         let base_bytes: u64 = self.base.iter().flat_map(|b| &b.files).map(|f| f.1).sum();
         let due = self.last_started.elapsed() >= self.config.materialize_interval
             || pending >= self.config.materialize_bytes
-            || pending >= base_bytes.max(OUTGROWN_FLOOR)
+            || pending
+                >= (base_bytes.saturating_mul(u64::from(self.config.materialize_percent)) / 100)
+                    .max(OUTGROWN_FLOOR)
             || self.segments.len() >= MAX_SEGMENTS;
         if !due || self.segments.is_empty() {
             return Ok(());
@@ -656,6 +717,48 @@ mod tests {
             let half = KeyGroupRange { start: 0, end: 64 };
             let kept: Vec<_> = owned.into_iter().filter(|(_, k, _)| u16::from_be_bytes([k[0], k[1]]) < 64).collect();
             prop_assert_eq!(decode(&path, half).unwrap(), kept);
+        }
+
+        /// Merging sorted runs keeps each key's value from the latest run that has it,
+        /// in key order — keys shorter than the 16-byte prefix, keys that are zero
+        /// bytes, keys sharing a long prefix and keys longer than it included.
+        #[test]
+        fn the_merge_keeps_each_keys_newest_value_in_key_order(
+            runs in proptest::collection::vec(
+                proptest::collection::btree_set(
+                    prop_oneof![
+                        proptest::collection::vec(prop_oneof![Just(0_u8), any::<u8>()], 0..6),
+                        // Long keys sharing their first 14 bytes, differing after.
+                        (14..20_usize, any::<u8>(), 0..4_usize).prop_map(|(len, b, at)| {
+                            let mut long = vec![7_u8; len];
+                            if let Some(slot) = long.get_mut(14 + at) {
+                                *slot = b;
+                            }
+                            long
+                        }),
+                    ],
+                    0..30,
+                ),
+                0..6,
+            )
+        ) {
+            let mut entries: Vec<Entry> = Vec::new();
+            let mut model = BTreeMap::new();
+            for (run, keys) in runs.iter().enumerate() {
+                for key in keys {
+                    let value = Bytes::from(vec![u8::try_from(run).unwrap()]);
+                    entries.push((Bytes::from(key.clone()), Some(value)));
+                    model.insert(key.clone(), run);
+                }
+            }
+            let merged: Vec<(Vec<u8>, usize)> = newest_in_key_order(&entries)
+                .into_iter()
+                .map(|i| {
+                    let (key, value) = &entries[i];
+                    (key.to_vec(), usize::from(value.as_ref().unwrap()[0]))
+                })
+                .collect();
+            prop_assert_eq!(merged, model.into_iter().collect::<Vec<_>>());
         }
     }
 

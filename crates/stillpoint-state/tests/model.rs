@@ -113,7 +113,7 @@ proptest! {
         let changelog = match mode {
             0 => None,
             1 => Some(ChangelogConfig::default()),
-            _ => Some(ChangelogConfig { materialize_interval: std::time::Duration::ZERO, materialize_bytes: 0 }),
+            _ => Some(ChangelogConfig { materialize_interval: std::time::Duration::ZERO, materialize_bytes: 0, ..ChangelogConfig::default() }),
         };
         let config = StateConfig { cache_budget_bytes: 16 << 10, block_cache_bytes: 1 << 20, write_buffer_bytes: 1 << 20, changelog, ..StateConfig::default() };
         let backend = RocksStateBackend::open(root.path().join("db"), config, groups, groups.all(), owner).unwrap();

@@ -654,6 +654,7 @@ fn changelog_snapshots_restore_their_barrier_across_background_materializations(
         changelog: Some(ChangelogConfig {
             materialize_interval: Duration::ZERO,
             materialize_bytes: u64::MAX,
+            ..ChangelogConfig::default()
         }),
         ..small_config()
     };
