@@ -281,6 +281,20 @@ fn figures() {
     );
 }
 
+/// Puts `snapshot` in `slot`, removing the directory of the one it replaces unless
+/// `other` still holds it.
+fn keep_in(
+    slot: &mut Option<ExportedSnapshot>,
+    snapshot: &ExportedSnapshot,
+    other: Option<&ExportedSnapshot>,
+) {
+    if let Some(old) = slot.replace(snapshot.clone())
+        && other.is_none_or(|o| o.dir != old.dir)
+    {
+        std::fs::remove_dir_all(&old.dir).unwrap();
+    }
+}
+
 /// Restore after a long run of changelog checkpoints ÷ restore from a fresh
 /// materialization: `rounds` checkpoints each changing 1 % of `keys` random keys, with
 /// no time- or size-limit but the changelog's own `materialize_percent` of its
@@ -341,22 +355,14 @@ fn restore_figure(dir: &Path, keys: u64, rounds: u64) {
         let bytes = changelog_bytes(&exported);
         let mut kept = false;
         if longest.as_ref().is_none_or(|l| bytes > changelog_bytes(l)) {
-            if let Some(old) = longest.replace(exported.clone())
-                && fresh.as_ref().is_none_or(|f| f.dir != old.dir)
-            {
-                std::fs::remove_dir_all(&old.dir).unwrap();
-            }
+            keep_in(&mut longest, &exported, fresh.as_ref());
             kept = true;
         }
         if round >= rounds / 2
             && bytes > 0
             && fresh.as_ref().is_none_or(|f| bytes < changelog_bytes(f))
         {
-            if let Some(old) = fresh.replace(exported.clone())
-                && longest.as_ref().is_none_or(|l| l.dir != old.dir)
-            {
-                std::fs::remove_dir_all(&old.dir).unwrap();
-            }
+            keep_in(&mut fresh, &exported, longest.as_ref());
             kept = true;
         }
         if !kept {

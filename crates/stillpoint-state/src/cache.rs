@@ -66,17 +66,21 @@ struct Changes {
     entries: BTreeMap<CacheKey, Value>,
 }
 
-/// A key's state id and the first 12 bytes of its stored key (zero-padded), as one
-/// number: ordered as the keys are wherever two prefixes differ (a key shorter than 12
-/// bytes pads with zeros, which sorts it before every longer key it begins), so only
-/// equal prefixes need the keys compared.
-fn sort_prefix(key: &CacheKey) -> u128 {
-    let mut bytes = [0u8; 16];
-    let id = key.0.to_be_bytes();
-    for (slot, byte) in bytes.iter_mut().zip(id.iter().chain(&key.1)) {
+/// The first 16 of `bytes`, zero-padded, as one big-endian number: ordered as byte
+/// strings are wherever two prefixes differ (a string shorter than 16 bytes pads with
+/// zeros, which sorts it before every longer string it begins), so a sort compares
+/// numbers held inline and only equal prefixes need the strings themselves.
+pub(crate) fn be_prefix<'a>(bytes: impl IntoIterator<Item = &'a u8>) -> u128 {
+    let mut prefix = [0u8; 16];
+    for (slot, byte) in prefix.iter_mut().zip(bytes) {
         *slot = *byte;
     }
-    u128::from_be_bytes(bytes)
+    u128::from_be_bytes(prefix)
+}
+
+/// A key's state id and the first 12 bytes of its stored key, as [`be_prefix`].
+fn sort_prefix(key: &CacheKey) -> u128 {
+    be_prefix(key.0.to_be_bytes().iter().chain(&key.1))
 }
 
 /// Whether a stored key addresses a plain value: its field (what follows the key

@@ -29,6 +29,7 @@ use rocksdb::DB;
 use stillpoint_wire::{KeyGroupRange, RelativePath, Sha256Digest, SnapshotFile};
 
 use crate::StateError;
+use crate::cache::be_prefix;
 use crate::rocks::{StoredWrite, ingest_stored, write_stored};
 use crate::snapshot::{SharedDigests, create_checkpoint, flush_all, hash_files};
 
@@ -44,14 +45,10 @@ pub struct ChangelogConfig {
     pub materialize_bytes: u64,
     /// ... or once the segments not yet materialized hold this percentage of the
     /// last materialization's bytes (and at least 4 MiB). Default 100: a restore
-    /// reads at most about twice the state. Lower it for faster restores at the
-    /// price of more materializations: replaying a segment costs about 9 ms per MiB
-    /// against about 2 ms per MiB to fetch, verify and open a materialization, so at
-    /// 25 the worst restore of a long run of checkpoints took 1.8–3.4 times a
-    /// restore from a fresh materialization where 100 took 5.4 times
-    /// (`state.restore_changelog_vs_materialized`), while 16 tasks checkpointing
-    /// every second on two cores ran at 0.55–0.59 of checkpoints off instead of
-    /// 0.68–0.80 (`engine.shortest_sustained_interval`): docs/performance-figures.md.
+    /// reads at most about twice the state. Lower it for faster restores (replaying
+    /// a segment costs several times what fetching and opening as many bytes of a
+    /// materialization does) at the price of more materializations, which cost a
+    /// busy job throughput; docs/performance.md has the measured trade-off.
     pub materialize_percent: u32,
 }
 
@@ -355,17 +352,6 @@ pub(crate) fn replay_segments(
     Ok(u64::try_from(count).unwrap_or(u64::MAX))
 }
 
-/// The first 16 bytes of `key`, zero-padded, as one number: ordered as the keys are
-/// wherever two prefixes differ (a shorter key pads with zeros, which sorts it before
-/// every longer key it begins), so only equal prefixes need the keys compared.
-fn prefix16(key: &[u8]) -> u128 {
-    let mut bytes = [0u8; 16];
-    for (slot, byte) in bytes.iter_mut().zip(key) {
-        *slot = *byte;
-    }
-    u128::from_be_bytes(bytes)
-}
-
 /// The indices of `entries` — sorted runs, one per segment, in replay order — that
 /// hold each key's newest value, in key order. A stable sort of (prefix, index)
 /// pairs merges the runs (equal keys stay in replay order) comparing numbers held
@@ -376,7 +362,7 @@ fn newest_in_key_order(entries: &[Entry]) -> Vec<usize> {
     let mut order: Vec<(u128, usize)> = entries
         .iter()
         .enumerate()
-        .map(|(i, entry)| (prefix16(&entry.0), i))
+        .map(|(i, entry)| (be_prefix(entry.0.iter()), i))
         .collect();
     order.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| key(a.1).cmp(key(b.1))));
     let mut newest: Vec<usize> = Vec::with_capacity(order.len());

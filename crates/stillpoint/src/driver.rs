@@ -585,18 +585,18 @@ impl TaskDriver {
     /// Sends output on: through the stage's combiner when it has one (which flushes
     /// when its [`CombineClock`] says), else straight to the downstreams.
     fn emit(&mut self, records: Vec<Record>) -> Result<(), EngineError> {
-        if self.combiner.is_none() {
+        let Some((combiner, _)) = &mut self.combiner else {
             return self.send(records);
-        }
-        let now = self.now();
-        let Some((combiner, clock)) = &mut self.combiner else {
-            return Ok(());
         };
         let added = records.len();
         for record in records {
             combiner.add(record)?;
         }
-        if clock.add(added, now) {
+        // The clock is read only with a combiner.
+        let now = self.now();
+        if let Some((_, clock)) = &mut self.combiner
+            && clock.add(added, now)
+        {
             self.flush_combiner()?;
         }
         Ok(())

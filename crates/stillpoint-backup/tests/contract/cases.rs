@@ -939,6 +939,15 @@ pub async fn a_holder_paused_inside_a_refresh_writes_nothing_when_it_resumes(env
     assert_eq!(second.owner(), 2);
 }
 
+/// Polls `done` every 20 ms until it holds; fails with `never` after `within`.
+async fn wait_until(within: Duration, never: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{never}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A kept lease is refreshed by its keeper task while the holder's own thread is
 /// blocked for several TTLs on a store failing 15 % of its operations (a holder that
 /// refreshed between its own steps lost it: the coordinator, blocked in a commit
@@ -980,14 +989,10 @@ pub async fn a_kept_lease_outlives_a_blocked_holder_on_a_flaky_store_and_stops_w
     // the fence then does its job), but the keeper opens it again by itself.
     std::thread::sleep(ttl * 7 / 2);
     kept.fence().check_held().unwrap();
-    let reopen_by = std::time::Instant::now() + ttl;
-    while let Err(error) = kept.fence().check() {
-        assert!(
-            std::time::Instant::now() < reopen_by,
-            "the keeper never refreshed a late lease: {error}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(ttl, "the keeper never refreshed a late lease", || {
+        kept.fence().check().is_ok()
+    })
+    .await;
     kept.check().await.unwrap();
     assert!(
         kept.record().expires_at_millis >= first_expiry + 2 * 3_000,
@@ -1004,14 +1009,10 @@ pub async fn a_kept_lease_outlives_a_blocked_holder_on_a_flaky_store_and_stops_w
         ..kept.record()
     };
     plant(&store, &successor).await;
-    let deadline = std::time::Instant::now() + ttl * 10;
-    while kept.fence().check_held().is_ok() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the keeper never noticed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(ttl * 10, "the keeper never noticed", || {
+        kept.fence().check_held().is_err()
+    })
+    .await;
     assert!(matches!(
         kept.fence().check(),
         Err(StoreError::LeaseLost { .. })
