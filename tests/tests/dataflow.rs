@@ -29,7 +29,7 @@ use stillpoint::{
     Source, run_word_count,
 };
 use stillpoint_connectors::{GeneratedWords, KeyedCount, TransactionalFileSink, read_committed};
-use support::{config, crash_loop};
+use support::{config, crash_rounds};
 
 const SEED: u64 = 7;
 const VOCABULARY: u32 = 300;
@@ -131,24 +131,19 @@ fn check(dir: &Path, words: u64, before: usize, after: usize) {
 
 #[test]
 fn hash_broadcast_and_forward_edges_survive_random_crashes_exactly_once() {
-    let dir = tempfile::tempdir().unwrap();
     let words = 60_000;
-    let job = flow(dir.path(), words, 3, 2);
-    let seen = crash_loop(
-        &config(dir.path()),
-        &job,
+    let (seen, rounds) = crash_rounds(
         12,
-        Duration::from_millis(600),
         11,
+        |dir, _| (config(dir), flow(dir, words, 3, 2)),
+        |dir, _, _, _| check(dir, words, 2, 2),
     );
-    assert!(seen.crashes > 0, "{seen:?}");
     assert!(
         seen.checkpoints > 1,
         "too few checkpoints to restore from: {seen:?}"
     );
-    check(dir.path(), words, 2, 2);
     eprintln!(
-        "dataflow: {} crashes, {} restores, {} checkpoints, {:.1} s",
+        "dataflow: {rounds} rounds, {} crashes, {} restores, {} checkpoints, {:.1} s",
         seen.crashes,
         seen.restored,
         seen.checkpoints,

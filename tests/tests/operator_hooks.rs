@@ -18,7 +18,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
 
 use bytes::Bytes;
 use stillpoint::{
@@ -27,7 +26,7 @@ use stillpoint::{
 };
 use stillpoint_connectors::{GeneratedWords, TransactionalFileSink, read_committed};
 use stillpoint_wire::CheckpointId;
-use support::{config, crash_loop, crash_once_checkpointed, word_totals};
+use support::{config, crash_once_checkpointed, crash_rounds, word_totals};
 
 const SEED: u64 = 21;
 const VOCABULARY: u32 = 200;
@@ -215,15 +214,18 @@ fn hooks_run_once_each_and_output_emitted_at_barriers_and_the_end_is_published()
 
 #[test]
 fn output_emitted_at_barriers_and_the_end_is_published_exactly_once_through_crashes() {
-    let dir = tempfile::tempdir().unwrap();
-    let hooks = Arc::new(Hooks::default());
     let words = 40_000;
-    let job = flow(dir.path(), words, 3, &hooks);
-    let seen = crash_loop(&config(dir.path()), &job, 10, Duration::from_millis(500), 5);
-    assert!(seen.crashes > 0, "{seen:?}");
-    check(dir.path(), words, 3);
+    let (seen, rounds) = crash_rounds(
+        10,
+        5,
+        |dir, _| {
+            let hooks = Arc::new(Hooks::default());
+            (config(dir), flow(dir, words, 3, &hooks))
+        },
+        |dir, _, _, _| check(dir, words, 3),
+    );
     eprintln!(
-        "operator hooks: {} crashes, {} restores, {} checkpoints",
+        "operator hooks: {rounds} rounds, {} crashes, {} restores, {} checkpoints",
         seen.crashes, seen.restored, seen.checkpoints
     );
 }

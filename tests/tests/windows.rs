@@ -26,7 +26,7 @@ use stillpoint_connectors::{
     read_committed,
 };
 use stillpoint_wire::SourceOffset;
-use support::{CrashLoop, config, crash_loop, crash_once_checkpointed};
+use support::{config, crash_once_checkpointed, crash_rounds};
 
 const SEED: u64 = 31;
 const VOCABULARY: u32 = 40;
@@ -128,30 +128,15 @@ fn twenty_random_crashes_publish_exactly_the_failure_free_windows() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
-    let mut seen = CrashLoop::default();
-    let mut round = 0;
-    while seen.crashes < crashes {
-        round += 1;
-        let dir = tempfile::tempdir().unwrap();
-        let words = 30_000;
-        let job = flow(dir.path(), words, tumbling(), 3);
-        let this = crash_loop(
-            &config(dir.path()),
-            &job,
-            crashes - seen.crashes,
-            // Wide enough that crashes land after checkpoints too: on a loaded machine
-            // a fresh job's first checkpoint (its materialization) took 350 ms, and
-            // with 400 ms all twenty crashes once came before any checkpoint.
-            Duration::from_millis(1_000),
-            round,
-        );
-        assert_eq!(
-            published(dir.path()),
-            expected(words, tumbling()),
-            "round {round}"
-        );
-        seen.merge(this);
-    }
+    let words = 30_000;
+    let (seen, round) = crash_rounds(
+        crashes,
+        1,
+        |dir, _| (config(dir), flow(dir, words, tumbling(), 3)),
+        |dir, _, round, _| {
+            assert_eq!(published(dir), expected(words, tumbling()), "round {round}");
+        },
+    );
     assert!(seen.restored > 0, "no run restored: {seen:?}");
     eprintln!(
         "windows: {round} rounds, {} crashes, {} restores, {} checkpoints, {:.1} s",

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use stillpoint::{RunOptions, StopHandle, run, run_word_count};
 use stillpoint_connectors::{WordCount, WordInput};
-use support::{committed_output, config, crash_loop, expected_output, percentile};
+use support::{committed_output, config, crash_rounds, expected_output, percentile};
 
 fn job(dir: &std::path::Path, words_per_source: u64) -> WordCount {
     WordCount {
@@ -53,34 +53,24 @@ fn fifty_random_crashes_lose_and_duplicate_nothing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50);
-    let mut seen = support::CrashLoop::default();
-    let mut round = 0;
     // Rounds on fresh directories until the job was crashed often enough: each round
     // runs its input to the end and is checked on its own.
-    while seen.crashes < crashes {
-        round += 1;
-        let dir = tempfile::tempdir().unwrap();
-        let job = job(dir.path(), 100_000);
-        let this = crash_loop(
-            &config(dir.path()),
-            &job,
-            crashes - seen.crashes,
-            // Wide enough that, on a loaded machine, some crashes come after a fresh
-            // job's first checkpoint (with 300 ms all fifty once came before it).
-            Duration::from_secs(1),
-            round,
-        );
-        let output = committed_output(&job);
-        let expected = expected_output(&job);
-        assert_eq!(
-            output.len(),
-            expected.len(),
-            "round {round}: lost or duplicated records; sink files: {:?}",
-            support::sink_files(&job)
-        );
-        assert_eq!(output, expected, "round {round}");
-        seen.merge(this);
-    }
+    let (seen, round) = crash_rounds(
+        crashes,
+        1,
+        |dir, _| (config(dir), job(dir, 100_000)),
+        |_, job, round, _| {
+            let output = committed_output(job);
+            let expected = expected_output(job);
+            assert_eq!(
+                output.len(),
+                expected.len(),
+                "round {round}: lost or duplicated records; sink files: {:?}",
+                support::sink_files(job)
+            );
+            assert_eq!(output, expected, "round {round}");
+        },
+    );
     assert!(
         seen.restored > 0,
         "no run ever restored: the crashes came too early"
@@ -151,26 +141,20 @@ fn a_combined_count_publishes_the_same_totals_in_fewer_updates() {
 
 #[test]
 fn a_combined_count_survives_random_crashes_exactly_once() {
-    let crashes = 15;
-    let mut seen = support::CrashLoop::default();
-    let mut round = 0;
-    while seen.crashes < crashes {
-        round += 1;
-        let dir = tempfile::tempdir().unwrap();
-        let job = WordCount {
-            combine: true,
-            ..job(dir.path(), 100_000)
-        };
-        let this = crash_loop(
-            &config(dir.path()),
-            &job,
-            crashes - seen.crashes,
-            Duration::from_secs(1),
-            round,
-        );
-        check_combined(&job, round);
-        seen.merge(this);
-    }
+    let (seen, _) = crash_rounds(
+        15,
+        1,
+        |dir, _| {
+            let job = WordCount {
+                combine: true,
+                ..job(dir, 100_000)
+            };
+            (config(dir), job)
+        },
+        |_, job, round, _| {
+            check_combined(job, round);
+        },
+    );
     assert!(
         seen.restored > 0,
         "no run ever restored: the crashes came too early"
@@ -388,34 +372,24 @@ fn a_stop_with_savepoint_ends_on_a_savepoint_that_restores_rescaled() {
 /// the job still publishes exactly the failure-free output.
 #[test]
 fn concurrent_checkpoints_through_crashes_lose_and_duplicate_nothing() {
-    let crashes = 10;
-    let mut seen = support::CrashLoop::default();
-    let mut round: u64 = 0;
-    while seen.crashes < crashes {
-        round += 1;
-        let dir = tempfile::tempdir().unwrap();
-        let job = job(dir.path(), 100_000);
-        let mut config = config(dir.path());
-        config.checkpoint_interval = Duration::from_millis(10);
-        config.max_concurrent_checkpoints = 3;
-        config.min_pause = Duration::from_millis(5);
-        let this = crash_loop(
-            &config,
-            &job,
-            crashes - seen.crashes,
-            // Up to 1 s: a checkpoint here takes 150-700 ms, so most runs complete one
-            // before their crash and later runs restore (300 ms once crashed all ten
-            // runs before any completed, on a loaded machine).
-            Duration::from_millis(1_000),
-            100 + round,
-        );
-        assert_eq!(
-            committed_output(&job),
-            expected_output(&job),
-            "round {round}: {this:?}"
-        );
-        seen.merge(this);
-    }
+    let (seen, round) = crash_rounds(
+        10,
+        101,
+        |dir, _| {
+            let mut config = config(dir);
+            config.checkpoint_interval = Duration::from_millis(10);
+            config.max_concurrent_checkpoints = 3;
+            config.min_pause = Duration::from_millis(5);
+            (config, job(dir, 100_000))
+        },
+        |_, job, round, this| {
+            assert_eq!(
+                committed_output(job),
+                expected_output(job),
+                "round {round}: {this:?}"
+            );
+        },
+    );
     assert!(seen.restored > 0, "{seen:?}");
     eprintln!(
         "e2e concurrent: {round} rounds, {} crashes, {} restores, {} checkpoints, duration p50 {} ms (interval 10 ms, up to 3 at once)",

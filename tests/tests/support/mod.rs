@@ -6,6 +6,7 @@ mod rng;
 pub(crate) use rng::Rng;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -201,6 +202,59 @@ pub(crate) fn crash_loop(
     }
     seen.elapsed = started.elapsed();
     seen
+}
+
+/// Crash loops on fresh directories until `crashes` crashes were made in all, with
+/// crash moments uniform over the job's life: a first run, failure-free in a
+/// directory of its own, measures how long the job takes here and now (machines and
+/// their load differ several times over; a fixed window let a fast machine finish
+/// before every crash moment, a slow one crash before any checkpoint). Each round
+/// builds its job and settings in a new directory with `setup` (given the directory
+/// and the round's number; 0 is the measuring run), runs it to the end through
+/// `crash_loop` (round `r` seeded `first_seed + r - 1`) and hands it to `check`
+/// with the round's number and figures. A round whose job outran its crash moments
+/// made no crash (still checked: a failure-free run must be exact too); after ten
+/// such rounds in a row the test says so instead of looping forever.
+pub(crate) fn crash_rounds<J: stillpoint::ToDataflow>(
+    crashes: u32,
+    first_seed: u64,
+    mut setup: impl FnMut(&Path, u64) -> (JobConfig, J),
+    mut check: impl FnMut(&Path, &J, u64, &CrashLoop),
+) -> (CrashLoop, u64) {
+    let window = {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, job) = setup(dir.path(), 0);
+        let started = Instant::now();
+        run(&config, &job, RunOptions::default()).unwrap();
+        started.elapsed()
+    };
+    let mut seen = CrashLoop::default();
+    let mut round = 0;
+    let mut idle_rounds = 0;
+    while seen.crashes < crashes {
+        round += 1;
+        let dir = tempfile::tempdir().unwrap();
+        let (config, job) = setup(dir.path(), round);
+        let this = crash_loop(
+            &config,
+            &job,
+            crashes - seen.crashes,
+            window,
+            first_seed + round - 1,
+        );
+        check(dir.path(), &job, round, &this);
+        idle_rounds = if this.crashes == 0 {
+            idle_rounds + 1
+        } else {
+            0
+        };
+        assert!(
+            idle_rounds < 10,
+            "ten rounds in a row finished before their first crash moment (a failure-free run took {window:?}); {this:?}"
+        );
+        seen.merge(this);
+    }
+    (seen, round)
 }
 
 impl CrashLoop {
