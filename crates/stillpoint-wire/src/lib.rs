@@ -36,6 +36,8 @@
 //!   for more than its configured maximum frame.
 //! - [`SnapshotManifest`] and [`CheckpointManifest`] are the versioned, checksummed
 //!   manifests; [`RelativePath`] makes an absolute or `..` path unrepresentable.
+//! - [`encode_segment`] and [`decode_segment`] are the changelog segments a task's
+//!   state backend writes at each checkpoint; a damaged one is a [`SegmentError`].
 //!
 //! The byte-level format is specified in `docs/wire-format.md` of the repository.
 
@@ -49,6 +51,7 @@ mod manifest;
 mod message;
 mod offset;
 mod path;
+mod segment;
 
 pub use batch::{BatchError, Record, decode_batch, encode_batch};
 pub use codec::{
@@ -71,6 +74,7 @@ pub use message::{
 };
 pub use offset::{OffsetTooLong, SourceOffset};
 pub use path::{PathProblem, RelativePath};
+pub use segment::{SegmentEntry, SegmentError, SegmentWrite, decode_segment, encode_segment};
 
 /// The crate README's example, compiled and run as a doctest so it stays true.
 #[cfg(doctest)]
