@@ -2,9 +2,9 @@
 //! changelog state backend writes and uploads them (`docs/store-layout.md`,
 //! "Changelog snapshots").
 //!
-//! Format (little-endian): the magic `SPCHLOG1`; per state, `0x01`, the state's name
-//! (u64 length, UTF-8), its entry count (u64), then each entry in stored key order,
-//! each key once: the stored key (u64 length, bytes; it begins with its key group,
+//! Format (little-endian): the magic `SPCHLOG1`; per state (each state once, with at
+//! least one entry), `0x01`, the state's name (u64 length, UTF-8), its entry count
+//! (u64), then each entry in stored key order, each key once: the stored key (u64 length, bytes; it begins with its key group,
 //! u16 big-endian), `0x01` and the value (u64 length, bytes) for a put or `0x00` for
 //! a delete; then `0x00`; then the CRC32C of every byte before it (u32).
 //!
@@ -12,6 +12,7 @@
 //! returns anything: a damaged segment is a [`SegmentError`] naming what was wrong,
 //! never a panic, a partial result or an allocation the bytes present do not bound.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -36,7 +37,7 @@ pub type SegmentEntry = (Bytes, Option<Bytes>);
 
 /// Bytes that are not a valid changelog segment.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{problem}")]
+#[error("corrupt changelog segment: {problem}")]
 pub struct SegmentError {
     /// What was wrong.
     pub problem: String,
@@ -181,9 +182,10 @@ fn checked_body(mut file: Bytes) -> Result<Bytes, SegmentError> {
 /// # Errors
 ///
 /// A [`SegmentError`] when the checksum does not match, the magic is wrong, a length
-/// runs past the end, a tag is unknown, a state's name is not UTF-8, a key is
-/// shorter than its key group or keys are not strictly increasing within a state, or
-/// bytes follow the end marker.
+/// runs past the end, a tag is unknown, a state's name is not UTF-8, a state appears
+/// twice or with no entries, a key is shorter than its key group or keys are not
+/// strictly increasing within a state, or bytes follow the end marker. So a segment
+/// that decodes is in the encoder's one form: it re-encodes to the same bytes.
 pub fn decode_segment(
     file: Bytes,
     keep: KeyGroupRange,
@@ -197,6 +199,7 @@ pub fn decode_segment(
         return Err(SegmentError::new("not a changelog segment (wrong magic)"));
     }
     let mut blocks: Vec<(String, Vec<SegmentEntry>)> = Vec::new();
+    let mut names = BTreeSet::new();
     loop {
         match reader.byte("block tag")? {
             END => break,
@@ -206,7 +209,15 @@ pub fn decode_segment(
         let name = reader.field("state name")?;
         let name = String::from_utf8(reader.slice(name).to_vec())
             .map_err(|_| SegmentError::new("a state name is not UTF-8"))?;
+        if !names.insert(name.clone()) {
+            return Err(SegmentError::new(format!(
+                "state `{name}` appears twice (a segment holds each state once)"
+            )));
+        }
         let count = reader.u64("entry count")?;
+        if count == 0 {
+            return Err(SegmentError::new(format!("state `{name}` has no entries")));
+        }
         // The count is the file's word: capacity for at most 64 Ki entries up front.
         let mut batch = Vec::with_capacity(usize::try_from(count.min(1 << 16)).unwrap_or(0));
         let mut previous: Option<Range<usize>> = None;
@@ -350,6 +361,19 @@ mod tests {
         let at = kind.len() - 2;
         kind[at] = 9;
         assert!(problem(resealed(kind)).contains("unknown entry kind 9"));
+        // A state twice: two one-entry segments of `a`, the second's block appended.
+        let one = encode_segment(&[("a", b"\x00\x01", None)]);
+        let block = &one[8..one.len() - 5];
+        let mut twice = one[..one.len() - 5].to_vec();
+        twice.extend_from_slice(block);
+        twice.push(0);
+        assert!(problem(resealed(twice)).contains("appears twice"));
+        let mut empty = one[..one.len() - 5].to_vec();
+        // The count after the magic, the tag and the 1-byte name with its length.
+        empty[18..26].copy_from_slice(&0_u64.to_le_bytes());
+        empty.truncate(26);
+        empty.push(0);
+        assert!(problem(resealed(empty)).contains("no entries"));
         let not_utf8 = encode_segment(&[("\u{e9}", b"\x00\x01", None)]);
         let mut not_utf8 = not_utf8[..not_utf8.len() - 4].to_vec();
         not_utf8[17] = 0xff;
