@@ -238,7 +238,7 @@ fn a_rescaled_restore_keeps_the_totals_and_the_summary() {
     let config = config(dir.path());
     // Crash the 2-task job once it has checkpointed, then finish it with 4 tasks.
     let first = flow(dir.path(), words, 2, &hooks);
-    crash_once_checkpointed(&config, &first, &[150, 300, 600, 1_200]);
+    crash_once_checkpointed(&config, &first);
     let report = run_word_count(&config, &flow(dir.path(), words, 4, &hooks), None).unwrap();
     assert!(report.restored_from.is_some());
     // Totals are per word: the strictly rising check holds across the rescale; the
