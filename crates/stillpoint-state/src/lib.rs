@@ -46,7 +46,7 @@ pub use keygroup::{KeyGroupRouter, KeyGroups, MAX_KEY_GROUPS, Partitioner};
 pub use rocks::{
     FieldValues, KeyedState, RocksStateBackend, ScanVisitor, StateBatch, StateOwner, StateWrite,
 };
-pub use snapshot::{LOCAL_MANIFEST, verify_snapshot};
+pub use snapshot::{DigestCheck, LOCAL_MANIFEST, verify_snapshot};
 pub use timers::{TIMER_STATE, TimeDomain, Timer, processing_time};
 pub use typed::{MapState, ValueState};
 pub use work_dir::{SnapshotDirs, WorkDir};

@@ -205,6 +205,30 @@ pub(crate) fn flush_all(db: &DB, names: &[String]) -> Result<(), StateError> {
 /// Checks every file of `manifest` in `dir`: present, same size, same SHA-256; and no
 /// file the manifest does not list. Nothing is opened until all of it holds.
 pub fn verify_snapshot(dir: &Path, manifest: &SnapshotManifest) -> Result<(), StateError> {
+    check_snapshot(dir, manifest, DigestCheck::Hash)
+}
+
+/// What a restore checks of a snapshot's directory before it uses any of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DigestCheck {
+    /// The file list, every size and every file's SHA-256 against the manifest
+    /// ([`verify_snapshot`]): for a directory of unknown history. The default.
+    #[default]
+    Hash,
+    /// The file list and every size, not the SHA-256: the caller checked every
+    /// file's digest against this manifest as it put the file there, just before
+    /// (`stillpoint-backup`'s download checks every byte it writes or keeps), and
+    /// hashing again would read the whole snapshot a second time. Changelog
+    /// segments are still checked against their CRC32C as they are replayed.
+    AlreadyHashed,
+}
+
+/// [`verify_snapshot`], hashing the files only if `digests` says so.
+fn check_snapshot(
+    dir: &Path,
+    manifest: &SnapshotManifest,
+    digests: DigestCheck,
+) -> Result<(), StateError> {
     if manifest.backend.kind != BACKEND {
         return Err(StateError::Incompatible(format!(
             "written by backend `{}`",
@@ -233,6 +257,9 @@ pub fn verify_snapshot(dir: &Path, manifest: &SnapshotManifest) -> Result<(), St
         return Err(StateError::UnexpectedFile {
             file: extra.clone(),
         });
+    }
+    if digests == DigestCheck::AlreadyHashed {
+        return Ok(());
     }
     for file in &manifest.files {
         let found = hash_file(&dir.join(file.path.as_str()))?;
@@ -288,8 +315,8 @@ fn check_restorable(manifest: &SnapshotManifest, key_groups: KeyGroups) -> Resul
 }
 
 impl RocksStateBackend {
-    /// Restores a task with the same key groups as the snapshot: verify, link the files
-    /// into `target`, open.
+    /// Restores a task with the same key groups as the snapshot: verify (every file's
+    /// SHA-256 included), link the files into `target`, open, replay the changelog.
     pub fn restore(
         snapshot_dir: &Path,
         manifest: &SnapshotManifest,
@@ -298,8 +325,30 @@ impl RocksStateBackend {
         key_groups: KeyGroups,
         owner: StateOwner,
     ) -> Result<Self, StateError> {
+        let hash = DigestCheck::Hash;
+        Self::restore_checked(
+            snapshot_dir,
+            manifest,
+            hash,
+            target,
+            config,
+            key_groups,
+            owner,
+        )
+    }
+
+    /// [`restore`](Self::restore), checking the snapshot's files as `digests` says.
+    pub fn restore_checked(
+        snapshot_dir: &Path,
+        manifest: &SnapshotManifest,
+        digests: DigestCheck,
+        target: impl AsRef<Path>,
+        config: StateConfig,
+        key_groups: KeyGroups,
+        owner: StateOwner,
+    ) -> Result<Self, StateError> {
         check_restorable(manifest, key_groups)?;
-        verify_snapshot(snapshot_dir, manifest)?;
+        check_snapshot(snapshot_dir, manifest, digests)?;
         materialize(snapshot_dir, manifest, target.as_ref())?;
         let backend = Self::open(target, config, key_groups, manifest.key_groups, owner)?;
         backend.replay(snapshot_dir, manifest, manifest.key_groups)?;
@@ -349,10 +398,25 @@ impl RocksStateBackend {
         range: KeyGroupRange,
         owner: StateOwner,
     ) -> Result<Self, StateError> {
+        let hash = DigestCheck::Hash;
+        Self::restore_rescaled_checked(snapshots, hash, target, config, key_groups, range, owner)
+    }
+
+    /// [`restore_rescaled`](Self::restore_rescaled), checking the snapshots' files as
+    /// `digests` says.
+    pub fn restore_rescaled_checked(
+        snapshots: &[(PathBuf, SnapshotManifest)],
+        digests: DigestCheck,
+        target: impl AsRef<Path>,
+        config: StateConfig,
+        key_groups: KeyGroups,
+        range: KeyGroupRange,
+        owner: StateOwner,
+    ) -> Result<Self, StateError> {
         key_groups.check(range)?;
         for (dir, manifest) in snapshots {
             check_restorable(manifest, key_groups)?;
-            verify_snapshot(dir, manifest)?;
+            check_snapshot(dir, manifest, digests)?;
         }
         let overlap =
             |m: &SnapshotManifest| m.key_groups.intersection(&range).map_or(0, |r| r.len());

@@ -268,6 +268,67 @@ fn restore(
     )
 }
 
+/// A restore told the files' digests were already checked (the engine's, after the
+/// store's download hashed every byte) skips only the hashing: a file missing, cut
+/// short or not in the manifest is still refused before anything is opened, and an
+/// intact snapshot restores the same state as a hashed restore.
+#[test]
+fn a_restore_of_already_hashed_files_still_checks_the_listing_and_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = snapshot_of(dir.path(), 2_000);
+    let checked = |target: &str| {
+        RocksStateBackend::restore_checked(
+            &snapshot.0,
+            &snapshot.1,
+            DigestCheck::AlreadyHashed,
+            dir.path().join(target),
+            small_config(),
+            KeyGroups::new(128).unwrap(),
+            OWNER,
+        )
+    };
+    let hashed = restore(dir.path(), &snapshot, "hashed").unwrap();
+    let restored = checked("checked").unwrap();
+    assert_eq!(dump(&restored, "s", all()), dump(&hashed, "s", all()));
+    assert_eq!(dump(&restored, "s", all()).len(), 2_000);
+    let sst = snapshot
+        .1
+        .files
+        .iter()
+        .find(|f| f.path.as_str().ends_with(".sst"))
+        .unwrap()
+        .path
+        .as_str()
+        .to_owned();
+    let path = snapshot.0.join(&sst);
+    let original = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &original[..original.len() - 1]).unwrap();
+    let err = checked("r1").unwrap_err();
+    assert!(
+        matches!(&err, StateError::SizeMismatch { file, .. } if *file == sst),
+        "{err}"
+    );
+    std::fs::remove_file(&path).unwrap();
+    let err = checked("r2").unwrap_err();
+    assert!(
+        matches!(&err, StateError::MissingFile { file, .. } if *file == sst),
+        "{err}"
+    );
+    std::fs::write(&path, &original).unwrap();
+    std::fs::write(snapshot.0.join("000999.sst"), b"planted").unwrap();
+    let err = checked("r3").unwrap_err();
+    assert!(
+        matches!(&err, StateError::UnexpectedFile { file } if file == "000999.sst"),
+        "{err}"
+    );
+    for target in ["r1", "r2", "r3"] {
+        assert!(
+            !dir.path().join(target).exists(),
+            "{target}: nothing opened or created"
+        );
+    }
+}
+
 #[test]
 fn corrupt_snapshots_are_refused_naming_the_file_and_never_opened() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use stillpoint_backup::{LocalRestore, Store};
 use stillpoint_state::{
-    CachedState, KeyGroups, Partitioner, RocksStateBackend, SnapshotDirs, StateOwner,
+    CachedState, DigestCheck, KeyGroups, Partitioner, RocksStateBackend, SnapshotDirs, StateOwner,
 };
 use stillpoint_task::{
     CombineClock, EventClock, RestoredCheckpoint, TaskConfig, TaskGraph, TaskMachine,
@@ -79,9 +79,11 @@ impl Builder<'_> {
         };
         if self.topology.same_shape(&restore.manifest) {
             return match restore.downloads.get(&task) {
-                Some((snapshot, dir)) => Ok(RocksStateBackend::restore(
+                // The store's download checked every byte against its digest.
+                Some((snapshot, dir)) => Ok(RocksStateBackend::restore_checked(
                     dir,
                     snapshot,
+                    DigestCheck::AlreadyHashed,
                     &db_dir,
                     state,
                     self.groups,
@@ -104,8 +106,9 @@ impl Builder<'_> {
         if sources.is_empty() {
             return Ok(fresh(state)?);
         }
-        Ok(RocksStateBackend::restore_rescaled(
+        Ok(RocksStateBackend::restore_rescaled_checked(
             &sources,
+            DigestCheck::AlreadyHashed,
             &db_dir,
             state,
             self.groups,
