@@ -253,6 +253,15 @@ fn snapshot_of(dir: &Path, keys: u32) -> Snapshot {
     (exported.dir, exported.manifest)
 }
 
+/// The name of the first SST a snapshot lists.
+fn first_sst(manifest: &SnapshotManifest) -> String {
+    let file = manifest
+        .files
+        .iter()
+        .find(|f| f.path.as_str().ends_with(".sst"));
+    file.unwrap().path.as_str().to_owned()
+}
+
 fn restore(
     dir: &Path,
     snapshot: &(PathBuf, SnapshotManifest),
@@ -291,15 +300,7 @@ fn a_restore_of_already_hashed_files_still_checks_the_listing_and_sizes() {
     let restored = checked("checked").unwrap();
     assert_eq!(dump(&restored, "s", all()), dump(&hashed, "s", all()));
     assert_eq!(dump(&restored, "s", all()).len(), 2_000);
-    let sst = snapshot
-        .1
-        .files
-        .iter()
-        .find(|f| f.path.as_str().ends_with(".sst"))
-        .unwrap()
-        .path
-        .as_str()
-        .to_owned();
+    let sst = first_sst(&snapshot.1);
     let path = snapshot.0.join(&sst);
     let original = std::fs::read(&path).unwrap();
     std::fs::write(&path, &original[..original.len() - 1]).unwrap();
@@ -333,15 +334,7 @@ fn a_restore_of_already_hashed_files_still_checks_the_listing_and_sizes() {
 fn corrupt_snapshots_are_refused_naming_the_file_and_never_opened() {
     let dir = tempfile::tempdir().unwrap();
     let snapshot = snapshot_of(dir.path(), 2_000);
-    let sst = snapshot
-        .1
-        .files
-        .iter()
-        .find(|f| f.path.as_str().ends_with(".sst"))
-        .unwrap()
-        .path
-        .as_str()
-        .to_owned();
+    let sst = first_sst(&snapshot.1);
     let path = snapshot.0.join(&sst);
     let original = std::fs::read(&path).unwrap();
 
