@@ -234,7 +234,7 @@ fn output_emitted_at_barriers_and_the_end_is_published_exactly_once_through_cras
 fn a_rescaled_restore_keeps_the_totals_and_the_summary() {
     let dir = tempfile::tempdir().unwrap();
     let hooks = Arc::new(Hooks::default());
-    let words = 30_000;
+    let words = 200_000;
     let config = config(dir.path());
     // Crash the 2-task job once it has checkpointed, then finish it with 4 tasks.
     let first = flow(dir.path(), words, 2, &hooks);

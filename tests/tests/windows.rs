@@ -150,7 +150,7 @@ fn twenty_random_crashes_publish_exactly_the_failure_free_windows() {
 #[test]
 fn a_rescale_from_three_to_five_tasks_keeps_windows_and_timers() {
     let dir = tempfile::tempdir().unwrap();
-    let words = 40_000;
+    let words = 200_000;
     let config = config(dir.path());
     // Crash the 3-task job once it has checkpointed (open windows and their timers
     // are in that checkpoint), then finish it with 5 tasks.

@@ -119,10 +119,12 @@ pub(crate) fn word_totals(
 
 /// Runs `job` and crashes it once a checkpoint was committed, so that a restore has
 /// something to start from. The job pauses its sources at its first committed
-/// checkpoint (records in flight still flow, checkpoints go on), so it cannot finish
-/// before its crash however fast the machine (crashing at fixed moments let a fast
-/// machine finish first); the crash moment only has to come after that checkpoint,
-/// so it quadruples, from 1 s, until one did.
+/// checkpoint (records in flight still flow, checkpoints go on), so once that
+/// checkpoint is in it cannot finish before its crash (crashing at fixed moments let
+/// a fast machine finish first); the crash moment only has to come after that
+/// checkpoint, so it quadruples, from 1 s, until one did. The job must outlast its
+/// first checkpoint (≈ 100 ms here for a fresh job): a 30,000-word job once did
+/// not, in CI.
 pub(crate) fn crash_once_checkpointed(config: &JobConfig, job: &impl stillpoint::ToDataflow) {
     for crash_ms in [1_000, 4_000, 16_000] {
         let stop = StopHandle::new();
