@@ -195,8 +195,10 @@ fn recovery_falls_back_past_a_corrupt_checkpoint_and_says_so() {
     // The sinks published the newest checkpoint's output and recorded the source
     // offsets it covers: the run restores the one before, replays exactly up to
     // those offsets, drops what it reproduces there and goes on. A crash inside the
-    // replay (before its checkpoint completed) replays again on the next run.
-    let mut crash = Some(Duration::from_millis(40));
+    // replay (before its checkpoint completed) replays again on the next run. The
+    // first crash comes 10 ms after the tasks start (the rest of the job took 80 to
+    // 160 ms here, so a crash at 40 ms was one fast machine away from never firing).
+    let mut crash = Some(Duration::from_millis(10));
     let mut crashes = 0;
     let report = loop {
         match run_word_count(&config, &job, crash) {
