@@ -53,8 +53,6 @@ fn fifty_random_crashes_lose_and_duplicate_nothing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50);
-    // Rounds on fresh directories until the job was crashed often enough: each round
-    // runs its input to the end and is checked on its own.
     let (seen, round) = crash_rounds(
         crashes,
         1,

@@ -325,16 +325,8 @@ impl RocksStateBackend {
         key_groups: KeyGroups,
         owner: StateOwner,
     ) -> Result<Self, StateError> {
-        let hash = DigestCheck::Hash;
-        Self::restore_checked(
-            snapshot_dir,
-            manifest,
-            hash,
-            target,
-            config,
-            key_groups,
-            owner,
-        )
+        let (dir, hash) = (snapshot_dir, DigestCheck::Hash);
+        Self::restore_checked(dir, manifest, hash, target, config, key_groups, owner)
     }
 
     /// [`restore`](Self::restore), checking the snapshot's files as `digests` says.
