@@ -15,6 +15,7 @@
 //! lease_ttl = "60s"
 //! batch_records = 256               # records a source reads into one data message
 //! channel_batches = 4               # messages queued per edge: what a barrier waits behind
+//! debloat_target = "1ms"            # messages cut so a full edge drains in this ("0s": off)
 //! allow_duplicates = false          # restore even past output the sinks already published
 //!
 //! [store]
@@ -261,6 +262,8 @@ struct JobSection {
     lease_ttl: Duration,
     batch_records: usize,
     channel_batches: usize,
+    #[serde(with = "humantime_serde")]
+    debloat_target: Duration,
     allow_duplicates: bool,
 }
 
@@ -280,6 +283,7 @@ impl Default for JobSection {
             lease_ttl: defaults.lease_ttl,
             batch_records: defaults.batch_records,
             channel_batches: defaults.channel_batches,
+            debloat_target: defaults.debloat_target.unwrap_or(Duration::ZERO),
             allow_duplicates: defaults.allow_duplicates,
         }
     }
@@ -559,6 +563,12 @@ impl JobFile {
         if !(1..=1_024).contains(&job.channel_batches) {
             return Err(invalid("job.channel_batches", "must be in 1..=1024"));
         }
+        if job.debloat_target > Duration::from_secs(10) {
+            return Err(invalid(
+                "job.debloat_target",
+                "must be at most 10s (\"0s\" turns debloating off)",
+            ));
+        }
         if store.parallelism == 0 {
             return Err(invalid("store.parallelism", "must be at least 1"));
         }
@@ -676,6 +686,7 @@ impl JobFile {
         config.tolerable_failures = job.tolerable_failures;
         config.batch_records = job.batch_records;
         config.channel_batches = job.channel_batches;
+        config.debloat_target = (!job.debloat_target.is_zero()).then_some(job.debloat_target);
         config.allow_duplicates = job.allow_duplicates;
         config.retention = Retention {
             keep_last: retention.keep_last,
@@ -827,6 +838,7 @@ mod tests {
             (job.config.batch_records, job.config.channel_batches),
             (256, 4)
         );
+        assert_eq!(job.config.debloat_target, Some(Duration::from_millis(1)));
         assert_eq!(job.config.max_parallelism, 128);
         assert_eq!(job.config.state, StateConfig::default());
         assert_eq!(job.config.retention.keep_last, 3);
@@ -859,6 +871,7 @@ checkpoint_interval = "250ms"
 max_parallelism = 64
 batch_records = 1024
 channel_batches = 1
+debloat_target = "0s"
 [store]
 uri = "s3://bucket/jobs?endpoint=http://127.0.0.1:8333"
 access_key_id = "id"
@@ -893,6 +906,7 @@ combine = true
             (job.config.batch_records, job.config.channel_batches),
             (1024, 1)
         );
+        assert_eq!(job.config.debloat_target, None, "\"0s\" is off");
         assert_eq!(job.config.store_options.part_size, 16 << 20);
         assert!(job.config.store_options.s3_credentials.is_some());
         let faults = job.config.store_options.faults.as_ref().unwrap();
@@ -997,6 +1011,7 @@ combine = true
             ("[job]\nbatch_records = 0\n", "job.batch_records"),
             ("[job]\nbarrier_wait = \"0s\"\n", "job.barrier_wait"),
             ("[job]\nchannel_batches = 100000\n", "job.channel_batches"),
+            ("[job]\ndebloat_target = \"1m\"\n", "job.debloat_target"),
             ("[store]\nfault_ratio = 1.5\n", "store.fault_ratio"),
             ("[store]\nfault_ratio = nan\n", "store.fault_ratio"),
             (

@@ -158,6 +158,9 @@ pub struct TaskProgress {
     pub snapshots_in_flight: Gauge,
     /// The checkpoint being aligned (0: none).
     pub aligning: Gauge,
+    /// Records per data message the task asks its upstreams for (buffer debloating;
+    /// 0 until it first changes from the configured size).
+    pub message_records: Gauge,
     /// Per upstream: 1 while the task aligns and that upstream's barrier is missing.
     awaiting: Family<TaskLabels, Gauge>,
     labels: TaskLabels,
@@ -255,6 +258,12 @@ impl Metrics {
             "1 while the task aligns and the barrier of this upstream has not arrived",
             awaiting.clone(),
         );
+        let message_records = Family::<TaskLabels, Gauge>::default();
+        registry.register(
+            "stillpoint_task_message_records",
+            "Records per data message the task asks its upstreams for (buffer debloating; 0: the configured size, unchanged)",
+            message_records.clone(),
+        );
         let mut records = BTreeMap::new();
         let mut progress = BTreeMap::new();
         for task in tasks {
@@ -267,6 +276,7 @@ impl Metrics {
                 missing_barriers: missing.get_or_create(&labels).clone(),
                 snapshots_in_flight: building.get_or_create(&labels).clone(),
                 aligning: aligning.get_or_create(&labels).clone(),
+                message_records: message_records.get_or_create(&labels).clone(),
                 awaiting: awaiting.clone(),
                 labels: labels.clone(),
                 shown: (0, 0, 0),

@@ -32,6 +32,11 @@ impl Compression {
     }
 }
 
+/// The memtable bloom filter's size as a fraction of `write_buffer_bytes`: 5 % is
+/// ≈ 12 bits per entry for entries of ≈ 30 bytes (a count keyed by a word), fewer
+/// false positives for larger ones.
+const MEMTABLE_BLOOM_RATIO: f64 = 0.05;
+
 /// How a task's state is stored.
 ///
 /// The write-ahead log is always off: state is durable only through checkpoints
@@ -95,6 +100,13 @@ impl StateConfig {
         // Flush every column family at the same sequence number: a checkpoint is one
         // consistent cut across all operator states.
         options.set_atomic_flush(true);
+        // A whole-key bloom filter on every memtable. Most reads that reach RocksDB are
+        // of keys the write-back cache does not hold, and most of those are not in the
+        // memtable either (a new key, a key last changed long ago); without the filter
+        // each such read searched the memtable's skip list first, a cache miss per
+        // level: 65 % of a counter's CPU on a restored state (engine bench, P2).
+        options.set_memtable_prefix_bloom_ratio(MEMTABLE_BLOOM_RATIO);
+        options.set_memtable_whole_key_filtering(true);
         let mut table = BlockBasedOptions::default();
         table.set_block_cache(&Cache::new_lru_cache(self.block_cache_bytes));
         if self.bloom_bits_per_key > 0 {

@@ -608,6 +608,11 @@ fn an_export_ingests_its_changes_and_leaves_no_file_behind() {
 /// The table options RocksDB recorded for column family `state` in the newest
 /// OPTIONS file of the database at `db`.
 fn recorded_table_options(db: &Path, state: &str) -> String {
+    recorded_options(db, &format!("[TableOptions/BlockBasedTable \"{state}\"]"))
+}
+
+/// The section `header` of the newest OPTIONS file RocksDB wrote in `db`.
+fn recorded_options(db: &Path, header: &str) -> String {
     let newest = std::fs::read_dir(db)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -615,8 +620,7 @@ fn recorded_table_options(db: &Path, state: &str) -> String {
         .max_by_key(|n| n.trim_start_matches("OPTIONS-").parse::<u64>().unwrap())
         .unwrap();
     let text = std::fs::read_to_string(db.join(newest)).unwrap();
-    let header = format!("[TableOptions/BlockBasedTable \"{state}\"]");
-    let section = text.split(&header).nth(1).unwrap_or_default();
+    let section = text.split(header).nth(1).unwrap_or_default();
     section.split("\n[").next().unwrap_or_default().to_owned()
 }
 
@@ -635,6 +639,15 @@ fn restored_and_reopened_states_keep_the_tuned_options() {
         "filter_policy=bloomfilter",
     ] {
         assert!(options.contains(wanted), "{wanted} missing:\n{options}");
+    }
+    // The memtable's whole-key bloom filter (a read of a key absent from the memtable
+    // skips its skip list).
+    let memtable = recorded_options(restored.path(), "[CFOptions \"s\"]");
+    for wanted in [
+        "memtable_whole_key_filtering=true",
+        "memtable_prefix_bloom_size_ratio=0.05",
+    ] {
+        assert!(memtable.contains(wanted), "{wanted} missing:\n{memtable}");
     }
     // And a rescaled restore (the old snapshot is read to build the new one).
     let groups = KeyGroups::new(128).unwrap();

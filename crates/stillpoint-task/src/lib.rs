@@ -76,9 +76,11 @@
 mod cluster;
 mod combine;
 mod coordinator;
+mod debloat;
 mod event_time;
 mod graph;
 mod job_end;
+mod replay_role;
 mod restore_plan;
 #[cfg(feature = "sim")]
 pub mod sim;
@@ -94,9 +96,11 @@ pub use coordinator::{
     CompletedCheckpoint, Coordinator, CoordinatorAction, CoordinatorConfig, CoordinatorError,
     ManifestRequest, TaskReport,
 };
+pub use debloat::{Debloater, MIN_RECORDS_PER_MESSAGE, records_to_read};
 pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
 pub use graph::{GraphError, Partitioning, StageShape, TaskGraph, check_stages};
 pub use job_end::JobEnd;
+pub use replay_role::{ReplayRole, SourceGate};
 pub use restore_plan::{
     Bounds, Published, Replay, Republish, RestorePlan, RestoreQuestion, plan_restore,
 };

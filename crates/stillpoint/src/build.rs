@@ -17,13 +17,11 @@ use stillpoint_task::{
 use stillpoint_wire::{Message, NodeId, SnapshotManifest, TaskId};
 
 use crate::dataflow::StageKind;
-use crate::driver::{
-    Combining, ExportJob, ExportOutcome, Progress, ReplayRole, Role, TaskDriver, export_loop,
-};
+use crate::driver::{Combining, ExportJob, ExportOutcome, Progress, Role, TaskDriver, export_loop};
 use crate::transport::{CoordinatorInput, Links};
 use crate::{Dataflow, EngineError, JobConfig, Partitioning};
 use stillpoint_metrics::Metrics;
-use stillpoint_task::Bounds;
+use stillpoint_task::{Bounds, Debloater, ReplayRole};
 
 /// A task's connections: its inputs (one bounded channel per upstream), its control
 /// channel and where its messages go.
@@ -179,17 +177,8 @@ impl Builder<'_> {
                 .spawn(move || export_loop(export_rx, exported_tx, store, handle, node))
                 .map_err(|e| EngineError::io("spawn", "export thread", &e))?
         };
-        let replay = match (self.replay, &stage.kind) {
-            (Some(replay), StageKind::Source(_)) => ReplayRole::Source {
-                bound: replay.get(&task).cloned().ok_or_else(|| {
-                    EngineError::Invalid(format!("{task} has no bound in the replay"))
-                })?,
-                reported: false,
-                at: None,
-            },
-            (Some(_), StageKind::Sink(_)) => ReplayRole::Sink { dropped: 0 },
-            _ => ReplayRole::None,
-        };
+        let replay = ReplayRole::of(self.replay, level, task)
+            .map_err(|t| EngineError::Invalid(format!("{t} has no bound in the replay")))?;
         let combiner: Option<Combining> = match &stage.combiner {
             Some((when, factory)) => Some((factory(index)?, CombineClock::new(*when))),
             None => None,
@@ -216,6 +205,14 @@ impl Builder<'_> {
             watermarks: match &role {
                 Role::Source(source) => source.watermarks().map(WatermarkGenerator::new),
                 Role::Operator(_) | Role::Sink(_) => None,
+            },
+            debloat: match (&role, self.config.debloat_target) {
+                (Role::Source(_), _) | (_, None) => None,
+                (Role::Operator(_) | Role::Sink(_), Some(target)) => Some(Debloater::new(
+                    target,
+                    self.config.channel_batches,
+                    self.config.batch_records,
+                )),
             },
             role,
             clock,

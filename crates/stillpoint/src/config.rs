@@ -61,6 +61,14 @@ pub struct JobConfig {
     /// runs the 1,000-key count ≈ 20 % faster than 256 × 4 but doubles the stall p50
     /// on a large restored state.
     pub channel_batches: usize,
+    /// Buffer debloating (default 1 ms; `None`: off): each task measures what its
+    /// records cost and asks its upstreams in this process for data messages small
+    /// enough that a full input edge (`channel_batches` messages) drains within this
+    /// time — so a barrier waits behind about this much work on any edge, however
+    /// expensive a record is (Flink's `taskmanager.network.memory.buffer-debloat`).
+    /// Cheap records keep `batch_records` per message; a source reads no more at once
+    /// than its downstreams ask for. Edges to other processes keep the full size.
+    pub debloat_target: Option<Duration>,
     /// Restore even when the sinks already published output newer than the restore
     /// point — a fallback past damaged checkpoints, a store that lost its newest
     /// ones — accepting that it is published again (default false: such a run is
@@ -90,6 +98,7 @@ impl JobConfig {
             metrics_listen: None,
             batch_records: 256,
             channel_batches: 4,
+            debloat_target: Some(Duration::from_millis(1)),
             allow_duplicates: false,
         }
     }

@@ -3,6 +3,7 @@
 //! synchronous snapshot, handing the export to a second thread, committing sinks.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Select, Sender};
@@ -11,8 +12,8 @@ use stillpoint_state::{
     CachedState, Partitioner, SnapshotDirs, SnapshotJob, TimeDomain, processing_time,
 };
 use stillpoint_task::{
-    CombineClock, EventClock, EventTimeUpdate, TaskAction, TaskMachine, TaskStatus, Time,
-    WatermarkGenerator,
+    CombineClock, Debloater, EventClock, EventTimeUpdate, ReplayRole, SourceGate, TaskAction,
+    TaskMachine, TaskStatus, Time, WatermarkGenerator, records_to_read,
 };
 use stillpoint_wire::{
     CheckpointId, Data, EndOfInput, Message, NodeId, SnapshotReport, SourceOffset, StreamId,
@@ -152,6 +153,9 @@ pub(crate) struct TaskDriver {
     pub(crate) gauges: stillpoint_metrics::TaskProgress,
     /// The stage's combiner, which its output goes through before partitioning.
     pub(crate) combiner: Option<Combining>,
+    /// Buffer debloating: what this task's records cost, hence the message size it
+    /// asks its upstreams for (`None`: off, or a source).
+    pub(crate) debloat: Option<Debloater>,
 }
 
 /// What a task's driver keeps track of as it goes.
@@ -165,25 +169,6 @@ pub(crate) struct Progress {
     finished_reported: bool,
     /// The upstreams whose input has ended ([`Message::EndOfInput`]).
     ended: BTreeSet<TaskId>,
-}
-
-/// A task's part in a replay up to the end of published output
-/// ([`crate::dataflow::Replay`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) enum ReplayRole {
-    /// No replay (or this task's part is over).
-    #[default]
-    None,
-    /// A source: read up to `bound`, say so, inject barriers only there, and read on
-    /// only once a checkpoint taken there (`at`, the first injected) has completed.
-    Source {
-        bound: SourceOffset,
-        reported: bool,
-        at: Option<CheckpointId>,
-    },
-    /// A sink: every record before its first snapshot is published output already;
-    /// drop it (counting it).
-    Sink { dropped: u64 },
 }
 
 impl TaskDriver {
@@ -236,7 +221,7 @@ impl TaskDriver {
             let step = if matches!(self.role, Role::Source(_)) {
                 self.source_step()
             } else {
-                self.wait_for_input()
+                self.wait(true, Duration::from_millis(20))
             };
             match step {
                 // When the job stops, upstream tasks leave first and their channels
@@ -304,16 +289,15 @@ impl TaskDriver {
                 self.machine.handle_resume(self.now());
             }
         }
+        let batch = self.poll_size();
         let Role::Source(source) = &mut self.role else {
             return Ok(());
         };
-        let replaying = matches!(self.replay, ReplayRole::Source { .. });
-        let bound = match &mut self.replay {
-            ReplayRole::Source {
-                bound, reported, ..
-            } if source.offset() == *bound => {
-                if !*reported {
-                    *reported = true;
+        let replaying = self.replay.is_source();
+        let bound = match self.replay.gate(&source.offset()) {
+            SourceGate::UpTo(bound) => Some(bound),
+            SourceGate::AtBound { first } => {
+                if first {
                     tracing::info!(task = %self.task, "replayed up to the published output");
                     let _closed = self
                         .links
@@ -322,17 +306,14 @@ impl TaskDriver {
                 }
                 None
             }
-            ReplayRole::Source { bound, .. } => Some(bound),
-            _ => None,
+            SourceGate::Free => None,
         };
         // Every record read so far has been processed and sent: a barrier injected now
         // is behind all accepted input (a replaying source's, exactly at its bound).
         if bound.is_none()
             && let Some(checkpoint) = self.progress.queued_barriers.pop_front()
         {
-            if let ReplayRole::Source { at, .. } = &mut self.replay {
-                at.get_or_insert(checkpoint);
-            }
+            self.replay.barrier_injected(checkpoint);
             self.machine.handle_source_barrier(self.now(), checkpoint);
             return self.apply_actions();
         }
@@ -340,12 +321,12 @@ impl TaskDriver {
         // event time could pass records this source is still to read.
         if paused || (replaying && bound.is_none()) {
             self.flush_combiner()?;
-            return self.idle(Duration::from_millis(5));
+            return self.wait(false, Duration::from_millis(5));
         }
-        let mut records = Vec::with_capacity(self.batch);
+        let mut records = Vec::with_capacity(batch);
         let polled = match bound {
-            Some(bound) => source.poll_until(self.batch, bound, &mut records)?,
-            None => source.poll(self.batch, &mut records)?,
+            Some(bound) => source.poll_until(batch, &bound, &mut records)?,
+            None => source.poll(batch, &mut records)?,
         };
         match polled {
             SourcePoll::Records => {
@@ -361,7 +342,7 @@ impl TaskDriver {
                 let now = self.now();
                 let update = self.watermarks.as_mut().and_then(|w| w.on_nothing(now));
                 self.on_event_time(update)?;
-                self.idle(Duration::from_millis(1))
+                self.wait(false, Duration::from_millis(1))
             }
             SourcePoll::Finished if replaying => Err(EngineError::Invalid(format!(
                 "{}: the input ended before the offset its published output covers: it changed after that output was published",
@@ -380,25 +361,21 @@ impl TaskDriver {
                             offset,
                         });
                 }
-                self.idle(Duration::from_millis(5))
+                self.wait(false, Duration::from_millis(5))
             }
         }
     }
 
-    /// Waits for control traffic, an export result or a timeout.
-    fn idle(&mut self, at_most: Duration) -> Result<(), EngineError> {
-        let wait = self.timeout_within(at_most);
-        crossbeam_channel::select! {
-            recv(self.control) -> message => match message {
-                Ok(message) => self.on_control(&message),
-                Err(_) => Err(EngineError::Stopped(format!("the control channel of {}", self.task))),
-            },
-            recv(self.exported) -> outcome => match outcome {
-                Ok(outcome) => self.on_export(outcome),
-                Err(_) => Err(EngineError::Stopped(format!("the export thread of {}", self.task))),
-            },
-            default(wait) => Ok(()),
-        }
+    /// Records a source reads at once: `batch_records`, or fewer when its downstreams
+    /// ask for small messages (a barrier is injected only once all it read is sent).
+    fn poll_size(&self) -> usize {
+        let asked = self.downstreams.iter();
+        let keyed = matches!(self.partitioner, Partitioner::KeyGroups(_));
+        records_to_read(
+            asked.map(|to| self.links.records_per_message(*to)),
+            if keyed { self.downstreams.len() } else { 1 },
+            self.batch,
+        )
     }
 
     fn timeout_within(&self, at_most: Duration) -> Duration {
@@ -408,13 +385,15 @@ impl TaskDriver {
             .map_or(at_most, |t| t.saturating_since(now).min(at_most))
     }
 
-    fn wait_for_input(&mut self) -> Result<(), EngineError> {
-        let wait = self.timeout_within(Duration::from_millis(20));
+    /// Waits for control traffic, an export result, data on an input not blocked by
+    /// an alignment (with `data`) or a timeout, and handles what came.
+    fn wait(&mut self, data: bool, at_most: Duration) -> Result<(), EngineError> {
+        let wait = self.timeout_within(at_most);
         let open: Vec<usize> = self
             .inputs
             .iter()
             .enumerate()
-            .filter(|(_, (upstream, _))| !self.progress.blocked.contains(upstream))
+            .filter(|(_, (upstream, _))| data && !self.progress.blocked.contains(upstream))
             .map(|(i, _)| i)
             .collect();
         let got = {
@@ -474,28 +453,39 @@ impl TaskDriver {
     }
 
     fn process(&mut self, data: &Data) -> Result<(), EngineError> {
+        let started = Instant::now();
         let records = decode_batch(&data.payload)?;
-        self.records.inc_by(records.len() as u64);
+        let count = records.len();
+        self.records.inc_by(count as u64);
         match &mut self.role {
             Role::Operator(operator) => {
-                let mut out = Vec::with_capacity(records.len());
+                let mut out = Vec::with_capacity(count);
                 for record in records {
                     operator.process(record, &mut self.state, &mut out)?;
                 }
-                self.emit(out)
+                self.emit(out)?;
             }
             Role::Sink(sink) => {
-                if let ReplayRole::Sink { dropped } = &mut self.replay {
-                    *dropped += records.len() as u64;
+                if self.replay.drops(count) {
                     return Ok(());
                 }
                 for record in records {
                     sink.write(record)?;
                 }
-                Ok(())
             }
-            Role::Source(_) => Ok(()),
+            Role::Source(_) => return Ok(()),
         }
+        // What the message cost, sending its output included (a task held back by its
+        // downstreams drains its inputs that much slower).
+        if let Some(debloat) = &mut self.debloat {
+            let size = debloat.observe(count, started.elapsed());
+            if let Some(asked) = self.links.sizes.get(&self.task)
+                && asked.swap(size, Ordering::Relaxed) != size
+            {
+                self.gauges.message_records.set(i64::from(size));
+            }
+        }
+        Ok(())
     }
 
     /// Upstream `upstream`'s input ended; once every upstream's has, event time
@@ -624,17 +614,17 @@ impl TaskDriver {
         }
         let per = self.partitioner.split(records, self.downstreams.len());
         for (downstream, bucket) in self.downstreams.clone().into_iter().zip(per) {
-            if bucket.is_empty() {
-                continue;
+            // In messages of the size the downstream asks for (buffer debloating).
+            for chunk in bucket.chunks(self.links.records_per_message(downstream).max(1)) {
+                let message = Message::Data(Data {
+                    stream: self.stream,
+                    upstream: self.task,
+                    downstream,
+                    records: u32::try_from(chunk.len()).unwrap_or(u32::MAX),
+                    payload: encode_batch(chunk),
+                });
+                self.links.route(message)?;
             }
-            let message = Message::Data(Data {
-                stream: self.stream,
-                upstream: self.task,
-                downstream,
-                records: u32::try_from(bucket.len()).unwrap_or(u32::MAX),
-                payload: encode_batch(&bucket),
-            });
-            self.links.route(message)?;
         }
         Ok(())
     }
@@ -669,11 +659,8 @@ impl TaskDriver {
                     if let Role::Sink(sink) = &mut self.role {
                         sink.commit(checkpoint)?;
                     }
-                    if let ReplayRole::Source { at: Some(at), .. } = self.replay
-                        && checkpoint >= at
-                    {
+                    if self.replay.completed(checkpoint) {
                         tracing::info!(task = %self.task, %checkpoint, "the checkpoint at the end of the published output completed; reading on");
-                        self.replay = ReplayRole::None;
                     }
                     self.snapshots.drop_before(checkpoint);
                 }
@@ -694,11 +681,10 @@ impl TaskDriver {
             .map_or(0, |since| micros(since.elapsed()));
         let mut source_offset = None;
         let mut persist = None;
-        if let ReplayRole::Sink { dropped } = self.replay {
+        if let Some(dropped) = self.replay.sink_snapshot() {
             // Every record before the first barrier was published already (and
             // dropped): the transactions from here on are new output.
             tracing::info!(task = %self.task, %checkpoint, dropped, "dropped the replayed output, published already");
-            self.replay = ReplayRole::None;
         }
         match &mut self.role {
             Role::Source(source) => source_offset = Some(source.offset()),

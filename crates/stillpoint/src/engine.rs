@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -20,7 +21,7 @@ use stillpoint_wire::{CheckpointId, Message, NodeId, SourcePosition, TaskId};
 use crate::build::{Builder, Spawned, Wiring, join_all};
 use stillpoint_task::{Bounds, RestorePlan, RestoreQuestion};
 
-use crate::transport::{ControlMap, CoordinatorInput, Links, Signals};
+use crate::transport::{ControlMap, CoordinatorInput, Links, MessageSizes, Signals};
 use crate::{Dataflow, EngineError, FallBack, JobConfig, JobReport, Replayed, ToDataflow};
 use stillpoint_metrics::{Metrics, MetricsServer};
 
@@ -344,6 +345,14 @@ impl Engine {
         for list in inputs.values_mut() {
             list.sort_by_key(|(up, _)| *up);
         }
+        // Every local task asks for full messages until it has measured its records.
+        let full = u32::try_from(self.config.batch_records.max(1)).unwrap_or(u32::MAX);
+        let sizes: MessageSizes = Arc::new(
+            local
+                .iter()
+                .map(|task| (*task, Arc::new(AtomicU32::new(full))))
+                .collect(),
+        );
         let builder = Builder {
             config: &self.config,
             flow: &self.flow,
@@ -371,6 +380,7 @@ impl Engine {
                     control: Arc::new(control),
                     coordinator: coordinator.clone(),
                     signals: Arc::clone(&signals),
+                    sizes: Arc::clone(&sizes),
                 },
             };
             match builder.spawn(*task, wiring, coordinator.clone()) {

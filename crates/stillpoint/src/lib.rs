@@ -66,6 +66,9 @@ pub use stillpoint_state::WorkDir;
 pub use stillpoint_state::{
     CachedState, KeyedState, MapState, TimeDomain, Timer, ValueState, processing_time,
 };
+/// The fewest records a data message is cut to by buffer debloating
+/// ([`JobConfig::debloat_target`]).
+pub use stillpoint_task::MIN_RECORDS_PER_MESSAGE;
 /// How a [`Source`] derives watermarks from event times.
 pub use stillpoint_task::WatermarkStrategy;
 pub use stillpoint_wire::{BatchError, Record, decode_batch, encode_batch};

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::{SendTimeoutError, Sender};
@@ -14,6 +14,11 @@ use crate::EngineError;
 
 /// Shared control channels of the tasks in one process.
 pub(crate) type ControlMap = Arc<BTreeMap<TaskId, Sender<Message>>>;
+
+/// The records per data message each task of this process asks its upstreams for
+/// (buffer debloating, [`stillpoint_task::Debloater`]): the task writes its own, its
+/// upstreams here read it.
+pub(crate) type MessageSizes = Arc<BTreeMap<TaskId, Arc<AtomicU32>>>;
 
 /// What the coordinator driver receives: the tasks' messages and reports, and
 /// events of the process around it (`E`: a cluster's node connections).
@@ -100,9 +105,17 @@ pub(crate) struct Links {
     pub(crate) control: ControlMap,
     pub(crate) coordinator: Sender<CoordinatorInput>,
     pub(crate) signals: Arc<Signals>,
+    pub(crate) sizes: MessageSizes,
 }
 
 impl Links {
+    /// The most records one data message to `to` should carry: what it asks for
+    /// when it runs in this process, else no limit.
+    pub(crate) fn records_per_message(&self, to: TaskId) -> usize {
+        let asked = self.sizes.get(&to).map(|size| size.load(Ordering::Relaxed));
+        asked.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX))
+    }
+
     /// Sends a message where the protocol says it goes. Data and barriers wait for room
     /// in their bounded channel (backpressure) but give up when the job halts.
     pub(crate) fn route(&self, message: Message) -> Result<(), EngineError> {
