@@ -12,7 +12,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -22,7 +21,7 @@ use stillpoint::{
     Record, RunOptions, Source, run,
 };
 use stillpoint_connectors::{GeneratedWords, KeyedCount, TransactionalFileSink, read_committed};
-use support::{config, word_totals};
+use support::{assert_totals_rise_once, config, scrape_metrics, word_totals};
 
 const SEED: u64 = 5;
 const VOCABULARY: u32 = 100;
@@ -61,15 +60,6 @@ fn flow(dir: &Path) -> Dataflow {
     )
 }
 
-/// The metrics exposition, or `None` once the endpoint has closed (the job ended).
-fn scrape(address: std::net::SocketAddr) -> Option<String> {
-    let mut stream = std::net::TcpStream::connect(address).ok()?;
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    Some(response)
-}
-
 /// The message size each counter asked for, as a scrape shows it (0: unchanged).
 fn asked(metrics: &str) -> BTreeMap<u32, i64> {
     COUNTERS
@@ -104,7 +94,7 @@ fn run_scraping(
     let address = address_rx.recv_timeout(Duration::from_secs(30)).unwrap();
     let mut seen = Vec::new();
     while !runner.is_finished() {
-        let Some(metrics) = scrape(address) else {
+        let Some(metrics) = scrape_metrics(address) else {
             break;
         };
         let view = asked(&metrics);
@@ -122,7 +112,6 @@ fn run_scraping(
 /// Every word's published counts rise strictly to its total: nothing lost, nothing
 /// published twice.
 fn check_output(dir: &Path) {
-    let totals = word_totals(SEED, 2, WORDS, VOCABULARY);
     let mut published: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for (key, value) in read_committed(&dir.join("out")).unwrap() {
         published
@@ -130,12 +119,7 @@ fn check_output(dir: &Path) {
             .or_default()
             .push(value.parse().unwrap());
     }
-    assert_eq!(published.len(), totals.len(), "words published");
-    for (word, total) in &totals {
-        let seen = &published[word];
-        assert!(seen.windows(2).all(|p| p[0] < p[1]), "{word}: {seen:?}");
-        assert_eq!(seen.last(), Some(total), "{word}: final count");
-    }
+    assert_totals_rise_once(&published, &word_totals(SEED, 2, WORDS, VOCABULARY));
 }
 
 #[test]

@@ -26,7 +26,9 @@ use stillpoint::{
 };
 use stillpoint_connectors::{GeneratedWords, TransactionalFileSink, read_committed};
 use stillpoint_wire::CheckpointId;
-use support::{config, crash_once_checkpointed, crash_rounds, word_totals};
+use support::{
+    assert_totals_rise_once, config, crash_once_checkpointed, crash_rounds, word_totals,
+};
 
 const SEED: u64 = 21;
 const VOCABULARY: u32 = 200;
@@ -164,19 +166,7 @@ fn check(dir: &Path, words: u64, counters: u32) {
             published.entry(key).or_default().push(value);
         }
     }
-    assert_eq!(
-        published.keys().collect::<Vec<_>>(),
-        totals.keys().collect::<Vec<_>>(),
-        "words published"
-    );
-    for (word, total) in &totals {
-        let seen = &published[word];
-        assert!(
-            seen.windows(2).all(|pair| pair[0] < pair[1]),
-            "{word}: totals {seen:?} do not rise strictly (published twice)"
-        );
-        assert_eq!(seen.last(), Some(total), "{word}: final total");
-    }
+    assert_totals_rise_once(&published, &totals);
     assert!(
         summaries.len() <= counters as usize,
         "one summary per task at most: {summaries:?}"

@@ -11,13 +11,12 @@
 
 mod support;
 
-use std::io::{Read, Write};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use stillpoint::{JobConfig, RunOptions, StopHandle, run};
 use stillpoint_connectors::{WordCount, WordInput};
-use support::{Rng, committed_output, config, crash_loop, expected_output};
+use support::{Rng, committed_output, config, crash_loop, expected_output, scrape_metrics};
 
 fn text(seed: u64, lines: usize) -> String {
     let mut rng = Rng(seed);
@@ -54,14 +53,6 @@ fn a_file_word_count_survives_crashes_exactly_once() {
     assert_eq!(committed_output(&job), expected_output(&job));
 }
 
-fn get_metrics(address: std::net::SocketAddr) -> String {
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-}
-
 /// Runs the log word count until the committed output holds `expected` lines, then
 /// pulls the stop and returns the run's report and the metrics seen while it ran.
 fn run_until_caught_up(
@@ -89,7 +80,7 @@ fn run_until_caught_up(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let metrics = get_metrics(address);
+    let metrics = scrape_metrics(address).expect("the metrics endpoint answers while the job runs");
     stop.stop();
     let report = runner.join().unwrap().unwrap();
     (report, metrics)

@@ -317,3 +317,36 @@ pub(crate) fn sink_files(job: &WordCount) -> Vec<String> {
     out.sort();
     out
 }
+
+/// The metrics exposition of the endpoint at `address`, or `None` once it has closed
+/// (the job ended).
+pub(crate) fn scrape_metrics(address: std::net::SocketAddr) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response)
+}
+
+/// Exactly once for a job that publishes each word's running total: the words
+/// published are the words counted, and each word's published totals rise strictly
+/// (one published twice was republished; one never published was lost) to its total.
+pub(crate) fn assert_totals_rise_once(
+    published: &BTreeMap<String, Vec<u64>>,
+    totals: &BTreeMap<String, u64>,
+) {
+    assert_eq!(
+        published.keys().collect::<Vec<_>>(),
+        totals.keys().collect::<Vec<_>>(),
+        "words published"
+    );
+    for (word, total) in totals {
+        let seen = &published[word];
+        assert!(
+            seen.windows(2).all(|pair| pair[0] < pair[1]),
+            "{word}: totals {seen:?} do not rise strictly (published twice)"
+        );
+        assert_eq!(seen.last(), Some(total), "{word}: final total");
+    }
+}
