@@ -34,6 +34,7 @@ mod error;
 mod keygroup;
 mod rocks;
 mod snapshot;
+mod threads;
 mod timers;
 mod typed;
 mod work_dir;

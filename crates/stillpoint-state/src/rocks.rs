@@ -358,53 +358,62 @@ pub(crate) fn ingest_dir(db: &DB) -> PathBuf {
 /// moved in), without the memtable: what a flush would write, minus inserting every
 /// entry into a skip list first and sorting it there again. The states are ingested
 /// one after the other; a caller that needs them visible together keeps serving the
-/// changes from memory until this returns (the write-back cache does).
-///
-/// The SSTs are compressed as flushed ones are (`compression`): a writer otherwise
-/// takes the bottommost level's (Zstd by default, several times LZ4's CPU), since an
-/// ingested file may land there.
+/// changes from memory until this returns (the write-back cache does). The SSTs are
+/// built with [`sst_writer_options`].
 pub(crate) fn ingest_stored<'a>(
     db: &DB,
     options: &rocksdb::Options,
     compression: crate::Compression,
     writes: impl IntoIterator<Item = StoredWrite<'a>>,
 ) -> Result<(), StateError> {
-    let mut writer_options = options.clone();
-    writer_options.set_bottommost_compression_type(compression.rocks());
+    let writer_options = sst_writer_options(options, compression);
     let dir = ingest_dir(db);
     std::fs::create_dir_all(&dir).map_err(StateError::io("creating", &dir))?;
     let mut writes = writes.into_iter().peekable();
-    let mut ingest = IngestExternalFileOptions::default();
-    ingest.set_move_files(true);
     while let Some(&(state, _, _)) = writes.peek() {
-        // Unique in the process (state names need not be file names).
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let path = dir.join(format!("{}.sst", NEXT.fetch_add(1, Ordering::Relaxed)));
+        let path = ingest_path(&dir);
         let cf = column_family(db, options, state)?;
-        let result = build_sst(&writer_options, &path, state, &mut writes).and_then(|()| {
-            db.ingest_external_file_cf_opts(&cf, &ingest, vec![&path])
-                .map_err(StateError::rocks("ingesting an SST"))
-        });
-        if result.is_err() {
+        let leading = std::iter::from_fn(|| writes.next_if(|w| w.0 == state).map(|w| (w.1, w.2)));
+        if let Err(error) = build_sst(&writer_options, &path, leading) {
             let _ = std::fs::remove_file(&path); // never ingested: nothing refers to it
+            return Err(error);
         }
-        result?;
+        ingest_files(db, &cf, vec![path])?;
     }
     Ok(())
 }
 
-/// Builds the SST at `path` from the leading writes of `state`.
-fn build_sst<'a>(
+/// The options an SST to be ingested is built with: compressed as flushed ones are
+/// (`compression`), where a writer would otherwise take the bottommost level's (Zstd
+/// by default, several times LZ4's CPU), since an ingested file may land there.
+pub(crate) fn sst_writer_options(
+    options: &rocksdb::Options,
+    compression: crate::Compression,
+) -> rocksdb::Options {
+    let mut writer_options = options.clone();
+    writer_options.set_bottommost_compression_type(compression.rocks());
+    writer_options
+}
+
+/// A new file name in `dir` (from [`ingest_dir`]) for an SST to be ingested, unique
+/// in the process (state names need not be file names).
+pub(crate) fn ingest_path(dir: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    dir.join(format!("{}.sst", NEXT.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// Builds the SST at `path` from `(stored key, value)` writes in key order, each key
+/// once (`None`: a delete).
+pub(crate) fn build_sst<'a>(
     options: &rocksdb::Options,
     path: &Path,
-    state: &str,
-    writes: &mut std::iter::Peekable<impl Iterator<Item = StoredWrite<'a>>>,
+    writes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
 ) -> Result<(), StateError> {
     let mut writer = SstFileWriter::create(options);
     writer
         .open(path)
         .map_err(StateError::rocks("creating an SST"))?;
-    while let Some((_, stored, value)) = writes.next_if(|w| w.0 == state) {
+    for (stored, value) in writes {
         match value {
             Some(value) => writer.put(stored, value),
             None => writer.delete(stored),
@@ -414,6 +423,27 @@ fn build_sst<'a>(
     writer
         .finish()
         .map_err(StateError::rocks("finishing an SST"))
+}
+
+/// Ingests the built SSTs at `paths` — key ranges that do not overlap — into the
+/// column family `cf` in one step (the files are moved in). The files are removed
+/// when they could not be ingested: nothing refers to them.
+pub(crate) fn ingest_files(
+    db: &DB,
+    cf: &Arc<rocksdb::BoundColumnFamily<'_>>,
+    paths: Vec<PathBuf>,
+) -> Result<(), StateError> {
+    let mut ingest = IngestExternalFileOptions::default();
+    ingest.set_move_files(true);
+    let result = db
+        .ingest_external_file_cf_opts(cf, &ingest, paths.iter().collect())
+        .map_err(StateError::rocks("ingesting an SST"));
+    if result.is_err() {
+        for path in &paths {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    result
 }
 
 /// The exclusive upper bound of every key starting with `prefix`.

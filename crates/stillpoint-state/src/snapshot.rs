@@ -16,6 +16,7 @@ use stillpoint_wire::{
 
 use crate::changelog::replay_segments;
 use crate::rocks::{StateOwner, column_family, group_bounds};
+use crate::threads::{on_threads, threads};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
 /// The manifest a snapshot directory carries for local recovery (not part of its file list).
@@ -261,8 +262,26 @@ fn check_snapshot(
     if digests == DigestCheck::AlreadyHashed {
         return Ok(());
     }
-    for file in &manifest.files {
-        let found = hash_file(&dir.join(file.path.as_str()))?;
+    // Hashed on every core (file i on thread i mod cores), checked in manifest order.
+    let cores = threads();
+    let hashed = on_threads((0..cores).collect(), |thread| {
+        manifest
+            .files
+            .iter()
+            .skip(thread)
+            .step_by(cores)
+            .map(|file| hash_file(&dir.join(file.path.as_str())))
+            .collect::<Vec<_>>()
+    });
+    let mut hashed: Vec<_> = hashed.into_iter().map(Vec::into_iter).collect();
+    for (i, file) in manifest.files.iter().enumerate() {
+        let found = hashed
+            .get_mut(i % cores)
+            .and_then(Iterator::next)
+            .ok_or_else(|| StateError::MissingFile {
+                dir: dir.to_path_buf(),
+                file: file.path.as_str().into(),
+            })??;
         if found != file.sha256 {
             return Err(StateError::ChecksumMismatch {
                 file: file.path.as_str().into(),
