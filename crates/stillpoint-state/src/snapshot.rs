@@ -262,26 +262,19 @@ fn check_snapshot(
     if digests == DigestCheck::AlreadyHashed {
         return Ok(());
     }
-    // Hashed on every core (file i on thread i mod cores), checked in manifest order.
+    // Hashed on every core (runs of consecutive files), checked in manifest order.
     let cores = threads();
-    let hashed = on_threads((0..cores).collect(), |thread| {
-        manifest
-            .files
-            .iter()
-            .skip(thread)
-            .step_by(cores)
+    let runs: Vec<&[SnapshotFile]> = manifest
+        .files
+        .chunks(manifest.files.len().div_ceil(cores).max(1))
+        .collect();
+    let hashed = on_threads(runs, |run| {
+        run.iter()
             .map(|file| hash_file(&dir.join(file.path.as_str())))
             .collect::<Vec<_>>()
     });
-    let mut hashed: Vec<_> = hashed.into_iter().map(Vec::into_iter).collect();
-    for (i, file) in manifest.files.iter().enumerate() {
-        let found = hashed
-            .get_mut(i % cores)
-            .and_then(Iterator::next)
-            .ok_or_else(|| StateError::MissingFile {
-                dir: dir.to_path_buf(),
-                file: file.path.as_str().into(),
-            })??;
+    for (file, found) in manifest.files.iter().zip(hashed.into_iter().flatten()) {
+        let found = found?;
         if found != file.sha256 {
             return Err(StateError::ChecksumMismatch {
                 file: file.path.as_str().into(),
