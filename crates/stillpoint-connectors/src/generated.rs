@@ -13,6 +13,9 @@ pub(crate) fn position_of(offset: &SourceOffset, what: &str) -> Result<u64, Engi
         .ok_or_else(|| EngineError::Invalid(format!("{what}'s offset is a position")))
 }
 
+/// The digits a generated word's number is zero-padded to.
+const WORD_DIGITS: usize = 5;
+
 /// A deterministic bounded source of words: record `i` of source `index` is a word
 /// drawn from a vocabulary by a hash of `(seed, index, i)`. Offsets are positions.
 #[derive(Clone, Debug)]
@@ -66,10 +69,20 @@ impl GeneratedWords {
         )
     }
 
-    /// The word at `position`.
+    /// The word at `position`: `w` and the word's number, zero-padded to 5 digits
+    /// (`w00042`). Spelled into a string of exactly its length, without the
+    /// formatting machinery: a source makes one per record, and a `Bytes` made from
+    /// a full `String` takes its buffer without a second allocation.
     #[must_use]
     pub fn word(&self, position: u64) -> String {
-        format!("w{:05}", self.mix(position) % u64::from(self.vocabulary))
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(self.mix(position) % u64::from(self.vocabulary));
+        let zeros = WORD_DIGITS.saturating_sub(digits.len());
+        let mut word = String::with_capacity(1 + zeros + digits.len());
+        word.push('w');
+        word.extend(std::iter::repeat_n('0', zeros));
+        word.push_str(digits);
+        word
     }
 
     /// SplitMix64 of `(seed, index, position)`: stable across platforms and releases.
@@ -161,6 +174,19 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn words_are_their_number_zero_padded_to_five_digits() {
+        for vocabulary in [1, 7, 100_000, 1_000_000, u32::MAX] {
+            let source = GeneratedWords::new(3, 1, 1_000, vocabulary);
+            for position in 0..1_000 {
+                let number = source.mix(position) % u64::from(vocabulary);
+                let word = source.word(position);
+                assert_eq!(word, format!("w{number:05}"));
+                assert_eq!(word.capacity(), word.len(), "{word}");
+            }
+        }
+    }
 
     #[test]
     fn a_generated_source_stops_exactly_at_a_recorded_offset() {

@@ -196,16 +196,19 @@ impl<A: Aggregate> Operator for WindowOperator<A> {
                 continue;
             }
             let field = field(window.start);
-            let before = state.get_cached(WINDOWS, &record.key, &field)?;
-            let accumulator = self.aggregate.add(before.as_deref(), &record)?;
-            state.put(WINDOWS, &record.key, &field, &accumulator)?;
+            let (mut opened, mut accumulator) = (false, Vec::new());
+            state.update_cached(WINDOWS, &record.key, &field, |before| {
+                opened = before.is_none();
+                accumulator = self.aggregate.add(before, &record)?;
+                Ok::<_, EngineError>(Some(accumulator.clone()))
+            })?;
             if window.last() <= watermark {
                 // Late but within the lateness: the window fires again, updated.
                 out.push(self.emit(&record.key, window, &accumulator)?);
-            } else if before.is_none() {
+            } else if opened {
                 state.register_timer(TimeDomain::EventTime, &record.key, window.last())?;
             }
-            if before.is_none() && self.lateness > 0 {
+            if opened && self.lateness > 0 {
                 state.register_timer(TimeDomain::EventTime, &record.key, self.cleanup(window))?;
             }
         }

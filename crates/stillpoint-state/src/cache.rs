@@ -741,6 +741,44 @@ impl CachedState {
         Ok(value)
     }
 
+    /// Reads `key`'s value (`None` = absent) and sets it to what `change` makes of
+    /// it (`None` deletes): a keyed aggregate's read-modify-write, finding the key's
+    /// key group, state id and stored key once where [`CachedState::get_cached`]
+    /// and [`KeyedState::put`] each would, and lending the old value rather than
+    /// copying it. An error from `change` leaves the state as it was.
+    ///
+    /// # Errors
+    /// A key outside the task's key groups or a failed RocksDB read
+    /// ([`StateError`]), or `change`'s own error.
+    pub fn update_cached<E: From<StateError>>(
+        &mut self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+        change: impl FnOnce(Option<&[u8]>) -> Result<Option<Vec<u8>>, E>,
+    ) -> Result<(), E> {
+        let group = self.backend.owned_group(key)?;
+        let known = self.ids.get(state).copied();
+        let cache_key = (
+            known.unwrap_or_else(|| self.id(state)),
+            encode_key(group, key, field),
+        );
+        let new = match self.current.get(&cache_key) {
+            Some(value) => change(value.as_deref())?,
+            // A state never written has no values (as in `lookup`).
+            None if known.is_none() => change(None)?,
+            None => {
+                let value = match self.overlay(&cache_key) {
+                    Some(value) => value,
+                    None => self.backend.get_stored(state, &cache_key.1)?,
+                };
+                change(value.as_deref())?
+            }
+        };
+        self.set(cache_key, new);
+        Ok(self.make_room()?)
+    }
+
     /// A read served from memory, or the key to read from RocksDB.
     fn lookup(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Lookup, StateError> {
         let group = self.backend.owned_group(key)?;

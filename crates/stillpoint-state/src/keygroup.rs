@@ -142,15 +142,32 @@ impl Partitioner {
     /// `records` split over `downstreams` tasks, one batch per task in their order.
     #[must_use]
     pub fn split(&self, records: Vec<Record>, downstreams: usize) -> Vec<Vec<Record>> {
+        let mut per = vec![Vec::new(); downstreams];
         let router = match self {
             // Records share their bytes: a copy per downstream is a reference count.
             Self::Broadcast => return vec![records; downstreams],
-            Self::Forward => None,
-            Self::KeyGroups(router) => Some(router),
+            Self::Forward => {
+                if let Some(only) = per.first_mut() {
+                    *only = records;
+                }
+                return per;
+            }
+            Self::KeyGroups(router) => router,
         };
-        let mut per = vec![Vec::new(); downstreams];
-        for record in records {
-            let target = router.map_or(0, |router| router.route(&record.key));
+        // Each record's downstream first, so that every bucket is allocated once at
+        // the size it fills: buckets grown from empty copied each record several
+        // times on a job's per-record path.
+        let targets: Vec<usize> = records.iter().map(|r| router.route(&r.key)).collect();
+        let mut sizes = vec![0_usize; downstreams];
+        for target in &targets {
+            if let Some(size) = sizes.get_mut(*target) {
+                *size += 1;
+            }
+        }
+        for (bucket, size) in per.iter_mut().zip(sizes) {
+            bucket.reserve_exact(size);
+        }
+        for (record, target) in records.into_iter().zip(targets) {
             if let Some(bucket) = per.get_mut(target) {
                 bucket.push(record);
             }
@@ -191,10 +208,17 @@ mod tests {
         assert_eq!(split.iter().map(Vec::len).sum::<usize>(), 300);
         for (index, bucket) in split.iter().enumerate() {
             assert!(!bucket.is_empty());
-            assert!(bucket.iter().all(|r| router.route(&r.key) == index));
+            // Each downstream gets its records in the order they came.
+            let routed: Vec<Record> = records
+                .iter()
+                .filter(|r| router.route(&r.key) == index)
+                .cloned()
+                .collect();
+            assert_eq!(bucket, &routed);
         }
         let forwarded = Partitioner::Forward.split(records.clone(), 1);
         assert_eq!(forwarded.concat(), records);
+        assert!(Partitioner::Forward.split(records.clone(), 0).is_empty());
         let copies = Partitioner::Broadcast.split(records.clone(), 2);
         assert_eq!(copies, [records.clone(), records]);
     }

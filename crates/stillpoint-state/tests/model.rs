@@ -21,6 +21,10 @@ enum Op {
     Delete(u8, u8),
     Get(u8, u8),
     GetCached(u8, u8),
+    /// `update_cached` lent the old value; `Some(v)` writes a value made from it and
+    /// `v`, `None` deletes. `Fail` makes the change return an error instead.
+    Update(u8, u8, Option<u16>),
+    Fail(u8, u8),
     Fields(u8),
     Barrier,
     Join,
@@ -36,6 +40,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (KEYS, 0..3_u8).prop_map(|(k, f)| Op::Delete(k, f)),
         2 => (KEYS, 0..3_u8).prop_map(|(k, f)| Op::Get(k, f)),
         2 => (KEYS, 0..3_u8).prop_map(|(k, f)| Op::GetCached(k, f)),
+        4 => (KEYS, 0..3_u8, prop::option::weighted(0.8, any::<u16>())).prop_map(|(k, f, v)| Op::Update(k, f, v)),
+        1 => (KEYS, 0..3_u8).prop_map(|(k, f)| Op::Fail(k, f)),
         1 => KEYS.prop_map(Op::Fields),
         1 => Just(Op::Barrier),
         1 => Just(Op::Join),
@@ -137,6 +143,34 @@ proptest! {
                 }
                 Op::GetCached(k, f) => {
                     prop_assert_eq!(state.get_cached("s", &key(k), &field(f)).unwrap(), model.get(&(key(k), field(f))).cloned());
+                }
+                Op::Update(k, f, v) => {
+                    let at = (key(k), field(f));
+                    let old = model.get(&at).cloned();
+                    // The new value depends on the old one, as an aggregate's does.
+                    let new = v.map(|v| {
+                        let mut new = value(v);
+                        new.push(old.as_ref().map_or(0, |o| o[0]));
+                        new
+                    });
+                    let mut lent = None;
+                    state.update_cached::<StateError>("s", &at.0, &at.1, |value| {
+                        lent = Some(value.map(<[u8]>::to_vec));
+                        Ok(new.clone())
+                    }).unwrap();
+                    prop_assert_eq!(lent, Some(old));
+                    match new {
+                        Some(new) => model.insert(at, new),
+                        None => model.remove(&at),
+                    };
+                }
+                Op::Fail(k, f) => {
+                    let at = (key(k), field(f));
+                    let failed = state.update_cached("s", &at.0, &at.1, |_| {
+                        Err(StateError::Poisoned("the change refused".into()))
+                    });
+                    prop_assert!(matches!(failed, Err(StateError::Poisoned(_))));
+                    prop_assert_eq!(state.get("s", &at.0, &at.1).unwrap(), model.get(&at).cloned());
                 }
                 Op::Fields(k) => {
                     let expected: Vec<(Vec<u8>, Vec<u8>)> = model
