@@ -83,17 +83,20 @@ impl Debloater {
 /// Records a sender reads at once so that each downstream gets about one message of
 /// the size it asks for: the smallest asked size times the downstreams its records
 /// spread over (`spread`: their number when records are partitioned by key, 1 when
-/// each goes to one or every downstream), at most `batch`, at least 1. A source's
+/// each goes to one or every downstream), at most `batch` per downstream (so a
+/// keyed edge's messages carry up to `batch` records each, not `batch ÷ spread`:
+/// every message is a hand-off and often a thread wake-up), at least 1. A source's
 /// barrier goes out only after all it read, so reading more would hold it back.
 pub fn records_to_read(
     asked: impl IntoIterator<Item = usize>,
     spread: usize,
     batch: usize,
 ) -> usize {
+    let spread = spread.max(1);
     let smallest = asked.into_iter().min().unwrap_or(usize::MAX);
     smallest
-        .saturating_mul(spread.max(1))
-        .clamp(1, batch.max(1))
+        .saturating_mul(spread)
+        .clamp(1, batch.max(1).saturating_mul(spread))
 }
 
 #[cfg(test)]
@@ -183,10 +186,20 @@ mod tests {
         assert_eq!(records_to_read([8, 30], 1, 256), 8, "forward or broadcast");
         assert_eq!(
             records_to_read([256, 256, 256], 3, 256),
-            256,
-            "at most the batch"
+            768,
+            "a full message each"
         );
-        assert_eq!(records_to_read([], 3, 256), 256, "no downstream: the batch");
+        assert_eq!(
+            records_to_read([usize::MAX, 300], 2, 256),
+            512,
+            "at most the batch per downstream"
+        );
+        assert_eq!(records_to_read([], 1, 256), 256, "no downstream: the batch");
+        assert_eq!(
+            records_to_read([], 3, 256),
+            768,
+            "none asks (other processes): the batch each"
+        );
         assert_eq!(records_to_read([0], 0, 0), 1, "at least one");
     }
 

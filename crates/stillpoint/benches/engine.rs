@@ -65,6 +65,9 @@ struct Sizes {
     vocabulary: u32,
     /// Runs per side of P1.
     repeats: usize,
+    /// Runs of each setting of the job the peers run (the peers' settings run 3
+    /// times each and their medians are compared).
+    peer_repeats: usize,
     /// Keys of the 1 % run, and records per source after the load.
     p3_keys: u32,
     p3_updates: u64,
@@ -86,6 +89,7 @@ impl Sizes {
                 words: words.unwrap_or(20_000),
                 vocabulary: 2_000,
                 repeats: 1,
+                peer_repeats: 1,
                 p3_keys: 20_000,
                 p3_updates: 20_000,
                 interval: Duration::from_millis(100),
@@ -96,6 +100,7 @@ impl Sizes {
                 words: words.unwrap_or(3_000_000),
                 vocabulary: 1_000_000,
                 repeats: 2,
+                peer_repeats: 3,
                 p3_keys: 2_000_000,
                 p3_updates: 3_000_000,
                 interval: Duration::from_secs(1),
@@ -106,6 +111,7 @@ impl Sizes {
                 words: words.unwrap_or(10_000_000),
                 vocabulary: 5_000_000,
                 repeats: 3,
+                peer_repeats: 3,
                 p3_keys: 10_000_000,
                 p3_updates: 10_000_000,
                 interval: Duration::from_secs(1),
@@ -479,7 +485,7 @@ fn peer_job(dir: &Path, sizes: &Sizes) {
     let records = 2 * sizes.words;
     let mut rates = Vec::new();
     let mut millis = Vec::new();
-    for _ in 0..sizes.repeats {
+    for _ in 0..sizes.peer_repeats {
         let result = run(dir, &job, sizes.interval, records);
         rates.push(result.rate_before_final);
         millis.extend(
@@ -494,7 +500,7 @@ fn peer_job(dir: &Path, sizes: &Sizes) {
         rate,
         records,
         sizes.interval.as_millis(),
-        sizes.repeats
+        sizes.peer_repeats
     ));
     figure(&format!(
         "engine.keyed_count_1000_keys_checkpoint_p99 = {:.0} ms (trigger → commit, {} checkpoints, p50 {:.0} ms)",
@@ -509,7 +515,7 @@ fn peer_job(dir: &Path, sizes: &Sizes) {
         combine: true,
         ..job.clone()
     };
-    let combined: Vec<f64> = (0..sizes.repeats)
+    let combined: Vec<f64> = (0..sizes.peer_repeats)
         .map(|_| run(dir, &combined, sizes.interval, records).rate_before_final)
         .collect();
     let combined = median(combined);
@@ -519,7 +525,7 @@ fn peer_job(dir: &Path, sizes: &Sizes) {
     ));
     // The same job tuned for throughput (`batch_records = 1024`, `channel_batches =
     // 1`): fewer, larger hand-offs between tasks, at the price of alignment time.
-    let tuned: Vec<f64> = (0..sizes.repeats)
+    let tuned: Vec<f64> = (0..sizes.peer_repeats)
         .map(|_| {
             run_tuned(dir, &job, sizes.interval, records, |config| {
                 config.batch_records = 1024;

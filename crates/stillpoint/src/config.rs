@@ -51,7 +51,8 @@ pub struct JobConfig {
     pub lease_ttl: Duration,
     /// Where the Prometheus metrics endpoint listens (default: off).
     pub metrics_listen: Option<SocketAddr>,
-    /// Records a source reads into one data message (default 256).
+    /// Records one data message carries at most (default 256); a keyed source reads
+    /// this many per downstream at once.
     pub batch_records: usize,
     /// Data messages buffered per edge before the sender blocks (default 4). With
     /// `batch_records` this is the latency/throughput dial: a barrier waits behind
@@ -67,7 +68,8 @@ pub struct JobConfig {
     /// time — so a barrier waits behind about this much work on any edge, however
     /// expensive a record is (Flink's `taskmanager.network.memory.buffer-debloat`).
     /// Cheap records keep `batch_records` per message; a source reads no more at once
-    /// than its downstreams ask for. Edges to other processes keep the full size.
+    /// than fills one asked message per downstream. Edges to other processes keep the
+    /// full size.
     pub debloat_target: Option<Duration>,
     /// Restore even when the sinks already published output newer than the restore
     /// point — a fallback past damaged checkpoints, a store that lost its newest
