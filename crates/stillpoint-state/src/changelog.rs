@@ -31,11 +31,11 @@ use stillpoint_wire::{
 
 use crate::StateError;
 use crate::rocks::{
-    StoredWrite, build_sst, column_family, ingest_dir, ingest_files, ingest_path,
+    StoredWrite, build_sst, column_family, ingest_dir, ingest_files, remove_unused,
     sst_writer_options, write_stored,
 };
 use crate::snapshot::{SharedDigests, create_checkpoint, flush_all, hash_files};
-use crate::threads::{on_threads, threads};
+use crate::threads::{each_on_threads, on_threads, threads};
 
 /// When a task's changelog is materialized (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,16 +144,9 @@ pub(crate) fn replay_segments(
     for (state, state_runs) in &runs {
         let cf = column_family(db, options, state)?;
         let built = on_threads(key_ranges(state_runs, cores), |range| {
-            let path = ingest_path(&dir);
             let mut count = 0_usize;
             let writes = Newest::new(range).inspect(|_| count += 1);
-            match build_sst(&writer_options, &path, writes) {
-                Ok(()) => Ok((path, count)),
-                Err(error) => {
-                    let _ = std::fs::remove_file(&path); // never ingested
-                    Err(error)
-                }
-            }
+            build_sst(&writer_options, &dir, writes).map(|path| (path, count))
         });
         let mut files = Vec::new();
         let mut failed = None;
@@ -167,9 +160,7 @@ pub(crate) fn replay_segments(
             }
         }
         if let Some(error) = failed {
-            for path in &files {
-                let _ = std::fs::remove_file(path); // never ingested
-            }
+            remove_unused(&files);
             return Err(error);
         }
         if !files.is_empty() {
@@ -186,17 +177,9 @@ fn decode_segments(
     keep: KeyGroupRange,
     threads: usize,
 ) -> Result<Vec<Blocks>, StateError> {
-    let runs: Vec<&[PathBuf]> = paths.chunks(paths.len().div_ceil(threads).max(1)).collect();
-    let decoded = on_threads(runs, |run| {
-        run.iter()
-            .map(|path| read_segment(path, keep))
-            .collect::<Result<Vec<Blocks>, StateError>>()
-    });
-    let mut segments = Vec::with_capacity(paths.len());
-    for run in decoded {
-        segments.extend(run?);
-    }
-    Ok(segments)
+    each_on_threads(paths, threads, |path| read_segment(path, keep))
+        .into_iter()
+        .collect()
 }
 
 /// The sorted `runs` cut into at most `parts` key ranges, in key order, none empty:

@@ -371,13 +371,9 @@ pub(crate) fn ingest_stored<'a>(
     std::fs::create_dir_all(&dir).map_err(StateError::io("creating", &dir))?;
     let mut writes = writes.into_iter().peekable();
     while let Some(&(state, _, _)) = writes.peek() {
-        let path = ingest_path(&dir);
         let cf = column_family(db, options, state)?;
         let leading = std::iter::from_fn(|| writes.next_if(|w| w.0 == state).map(|w| (w.1, w.2)));
-        if let Err(error) = build_sst(&writer_options, &path, leading) {
-            let _ = std::fs::remove_file(&path); // never ingested: nothing refers to it
-            return Err(error);
-        }
+        let path = build_sst(&writer_options, &dir, leading)?;
         ingest_files(db, &cf, vec![path])?;
     }
     Ok(())
@@ -397,14 +393,30 @@ pub(crate) fn sst_writer_options(
 
 /// A new file name in `dir` (from [`ingest_dir`]) for an SST to be ingested, unique
 /// in the process (state names need not be file names).
-pub(crate) fn ingest_path(dir: &Path) -> PathBuf {
+fn ingest_path(dir: &Path) -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     dir.join(format!("{}.sst", NEXT.fetch_add(1, Ordering::Relaxed)))
 }
 
-/// Builds the SST at `path` from `(stored key, value)` writes in key order, each key
-/// once (`None`: a delete).
+/// Builds an SST to be ingested at a new path in `dir` (from [`ingest_dir`]) from
+/// `(stored key, value)` writes in key order, each key once (`None`: a delete), and
+/// returns the path; a build that fails leaves no file behind.
 pub(crate) fn build_sst<'a>(
+    options: &rocksdb::Options,
+    dir: &Path,
+    writes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+) -> Result<PathBuf, StateError> {
+    let path = ingest_path(dir);
+    match write_sst(options, &path, writes) {
+        Ok(()) => Ok(path),
+        Err(error) => {
+            remove_unused(std::slice::from_ref(&path));
+            Err(error)
+        }
+    }
+}
+
+fn write_sst<'a>(
     options: &rocksdb::Options,
     path: &Path,
     writes: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
@@ -425,9 +437,17 @@ pub(crate) fn build_sst<'a>(
         .map_err(StateError::rocks("finishing an SST"))
 }
 
+/// Removes built SSTs that were never ingested: nothing refers to them (a file
+/// already gone is no error).
+pub(crate) fn remove_unused(paths: &[PathBuf]) {
+    for path in paths {
+        let _gone = std::fs::remove_file(path);
+    }
+}
+
 /// Ingests the built SSTs at `paths` — key ranges that do not overlap — into the
 /// column family `cf` in one step (the files are moved in). The files are removed
-/// when they could not be ingested: nothing refers to them.
+/// when they could not be ingested.
 pub(crate) fn ingest_files(
     db: &DB,
     cf: &Arc<rocksdb::BoundColumnFamily<'_>>,
@@ -439,9 +459,7 @@ pub(crate) fn ingest_files(
         .ingest_external_file_cf_opts(cf, &ingest, paths.iter().collect())
         .map_err(StateError::rocks("ingesting an SST"));
     if result.is_err() {
-        for path in &paths {
-            let _ = std::fs::remove_file(path);
-        }
+        remove_unused(&paths);
     }
     result
 }

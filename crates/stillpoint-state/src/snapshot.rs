@@ -16,7 +16,7 @@ use stillpoint_wire::{
 
 use crate::changelog::replay_segments;
 use crate::rocks::{StateOwner, column_family, group_bounds};
-use crate::threads::{on_threads, threads};
+use crate::threads::{each_on_threads, threads};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
 /// The manifest a snapshot directory carries for local recovery (not part of its file list).
@@ -262,18 +262,11 @@ fn check_snapshot(
     if digests == DigestCheck::AlreadyHashed {
         return Ok(());
     }
-    // Hashed on every core (runs of consecutive files), checked in manifest order.
-    let cores = threads();
-    let runs: Vec<&[SnapshotFile]> = manifest
-        .files
-        .chunks(manifest.files.len().div_ceil(cores).max(1))
-        .collect();
-    let hashed = on_threads(runs, |run| {
-        run.iter()
-            .map(|file| hash_file(&dir.join(file.path.as_str())))
-            .collect::<Vec<_>>()
+    // Hashed on every core, checked in manifest order.
+    let hashed = each_on_threads(&manifest.files, threads(), |file| {
+        hash_file(&dir.join(file.path.as_str()))
     });
-    for (file, found) in manifest.files.iter().zip(hashed.into_iter().flatten()) {
+    for (file, found) in manifest.files.iter().zip(hashed) {
         let found = found?;
         if found != file.sha256 {
             return Err(StateError::ChecksumMismatch {

@@ -49,6 +49,21 @@ pub(crate) fn on_threads<I: Send, T: Send>(inputs: Vec<I>, work: impl Fn(I) -> T
     })
 }
 
+/// Runs `work` on each of `items` on up to `threads` threads, each thread taking a run
+/// of consecutive items (so a thread reads neighbouring files or memory); the results
+/// in the order of `items`.
+pub(crate) fn each_on_threads<I: Sync, T: Send>(
+    items: &[I],
+    threads: usize,
+    work: impl Fn(&I) -> T + Sync,
+) -> Vec<T> {
+    let runs: Vec<&[I]> = items.chunks(items.len().div_ceil(threads).max(1)).collect();
+    on_threads(runs, |run| run.iter().map(&work).collect::<Vec<T>>())
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +89,20 @@ mod tests {
             }
         }
         assert!((1..=MAX_THREADS).contains(&threads()));
+    }
+
+    /// Each item once, in order, however the items divide among the threads.
+    #[test]
+    fn each_item_is_worked_once_in_order_over_runs() {
+        for (count, threads) in [(0_usize, 2_usize), (1, 4), (5, 2), (7, 3), (9, 1), (3, 8)] {
+            let items: Vec<usize> = (0..count).collect();
+            let worked = std::sync::atomic::AtomicUsize::new(0);
+            let doubled = each_on_threads(&items, threads, |i| {
+                worked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                i * 2
+            });
+            assert_eq!(worked.into_inner(), count);
+            assert_eq!(doubled, items.iter().map(|i| i * 2).collect::<Vec<_>>());
+        }
     }
 }
