@@ -104,6 +104,88 @@ pub struct StageShape<'a> {
     pub combine: Option<usize>,
 }
 
+/// Why a chain of stages cannot run ([`check_stages`]); each names the stage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StageError {
+    /// Two stages share a name.
+    DuplicateName {
+        /// The name.
+        stage: String,
+    },
+    /// A stage has no tasks.
+    NoTasks {
+        /// The stage.
+        stage: String,
+    },
+    /// A source stage that is not the first, a sink stage that is not the last, or
+    /// an operator stage first or last.
+    Misplaced {
+        /// The stage.
+        stage: String,
+        /// What its tasks are.
+        level: TaskLevel,
+    },
+    /// A combiner on the sink stage, which has no output.
+    CombineOnSink {
+        /// The stage.
+        stage: String,
+    },
+    /// A combiner that holds no record.
+    CombineNothing {
+        /// The stage.
+        stage: String,
+    },
+    /// A forward edge between stages of different parallelisms.
+    ForwardParallelism {
+        /// The stage fed forward.
+        stage: String,
+        /// Its parallelism.
+        parallelism: u32,
+        /// The stage feeding it.
+        previous: String,
+        /// Its parallelism.
+        previous_parallelism: u32,
+    },
+    /// Fewer than two stages: a chain needs a source and a sink stage.
+    TooFew,
+}
+
+impl fmt::Display for StageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DuplicateName { stage } => write!(f, "two stages are called {stage:?}"),
+            Self::NoTasks { stage } => write!(f, "stage {stage:?} has parallelism 0"),
+            Self::Misplaced { stage, level } => match level {
+                TaskLevel::Source => write!(f, "source stage {stage:?} is not the first stage"),
+                TaskLevel::Sink => write!(f, "sink stage {stage:?} is not the last stage"),
+                TaskLevel::Aggregate => write!(
+                    f,
+                    "operator stage {stage:?} must come after the source and before the sink"
+                ),
+            },
+            Self::CombineOnSink { stage } => {
+                write!(f, "sink stage {stage:?} has no output to combine")
+            }
+            Self::CombineNothing { stage } => write!(
+                f,
+                "the combiner of stage {stage:?} flushes after 0 records; it needs at least 1"
+            ),
+            Self::ForwardParallelism {
+                stage,
+                parallelism,
+                previous,
+                previous_parallelism,
+            } => write!(
+                f,
+                "stage {stage:?} (parallelism {parallelism}) is fed forward by {previous:?} (parallelism {previous_parallelism}): forward needs equal parallelism; use hash or broadcast"
+            ),
+            Self::TooFew => write!(f, "it needs a source stage and a sink stage"),
+        }
+    }
+}
+
+impl std::error::Error for StageError {}
+
 /// Refuses a chain of stages that cannot run, saying why and naming the stage: it
 /// must start with its only source stage and end with its only sink stage, every
 /// stage needs at least one task, names are unique, a forward edge joins stages of
@@ -111,17 +193,17 @@ pub struct StageShape<'a> {
 /// one record.
 ///
 /// # Errors
-/// The first rule broken, in words.
-pub fn check_stages(stages: &[StageShape<'_>]) -> Result<(), String> {
+/// The first rule broken ([`StageError`]).
+pub fn check_stages(stages: &[StageShape<'_>]) -> Result<(), StageError> {
     let last = stages.len().saturating_sub(1);
     let mut names = BTreeSet::new();
     for (index, stage) in stages.iter().enumerate() {
-        let name = stage.name;
-        if !names.insert(name) {
-            return Err(format!("two stages are called {name:?}"));
+        let name = || stage.name.to_owned();
+        if !names.insert(stage.name) {
+            return Err(StageError::DuplicateName { stage: name() });
         }
         if stage.parallelism == 0 {
-            return Err(format!("stage {name:?} has parallelism 0"));
+            return Err(StageError::NoTasks { stage: name() });
         }
         let placed = match stage.level {
             TaskLevel::Source => index == 0,
@@ -129,37 +211,32 @@ pub fn check_stages(stages: &[StageShape<'_>]) -> Result<(), String> {
             TaskLevel::Aggregate => index > 0 && index < last,
         };
         if !placed {
-            return Err(match stage.level {
-                TaskLevel::Source => format!("source stage {name:?} is not the first stage"),
-                TaskLevel::Sink => format!("sink stage {name:?} is not the last stage"),
-                TaskLevel::Aggregate => format!(
-                    "operator stage {name:?} must come after the source and before the sink"
-                ),
+            return Err(StageError::Misplaced {
+                stage: name(),
+                level: stage.level,
             });
         }
         match stage.combine {
             Some(_) if stage.level == TaskLevel::Sink => {
-                return Err(format!("sink stage {name:?} has no output to combine"));
+                return Err(StageError::CombineOnSink { stage: name() });
             }
-            Some(0) => {
-                return Err(format!(
-                    "the combiner of stage {name:?} flushes after 0 records; it needs at least 1"
-                ));
-            }
+            Some(0) => return Err(StageError::CombineNothing { stage: name() }),
             _ => {}
         }
         if let Some(previous) = index.checked_sub(1).and_then(|i| stages.get(i))
             && stage.input == Partitioning::Forward
             && stage.parallelism != previous.parallelism
         {
-            return Err(format!(
-                "stage {name:?} (parallelism {}) is fed forward by {:?} (parallelism {}): forward needs equal parallelism; use hash or broadcast",
-                stage.parallelism, previous.name, previous.parallelism
-            ));
+            return Err(StageError::ForwardParallelism {
+                stage: name(),
+                parallelism: stage.parallelism,
+                previous: previous.name.to_owned(),
+                previous_parallelism: previous.parallelism,
+            });
         }
     }
     if stages.len() < 2 {
-        return Err("it needs a source stage and a sink stage".to_owned());
+        return Err(StageError::TooFew);
     }
     Ok(())
 }
@@ -484,5 +561,44 @@ mod tests {
             new.restores_from(&old, max, TaskId(2)).unwrap(),
             vec![TaskId(2)]
         );
+    }
+
+    #[test]
+    fn a_chain_that_cannot_run_is_refused_with_a_typed_error_naming_the_stage() {
+        let shape = |name, level, parallelism, input| StageShape {
+            name,
+            level,
+            parallelism,
+            input,
+            combine: None,
+        };
+        let source = shape("words", TaskLevel::Source, 2, Partitioning::Forward);
+        let count = shape("count", TaskLevel::Aggregate, 3, Partitioning::Hash);
+        let sink = shape("publish", TaskLevel::Sink, 2, Partitioning::Forward);
+        assert_eq!(
+            check_stages(&[source.clone(), count.clone(), sink.clone()]),
+            Err(StageError::ForwardParallelism {
+                stage: "publish".into(),
+                parallelism: 2,
+                previous: "count".into(),
+                previous_parallelism: 3,
+            })
+        );
+        assert_eq!(
+            check_stages(&[count.clone(), source.clone(), sink.clone()]),
+            Err(StageError::Misplaced {
+                stage: "count".into(),
+                level: TaskLevel::Aggregate,
+            })
+        );
+        assert_eq!(
+            check_stages(std::slice::from_ref(&source)),
+            Err(StageError::TooFew)
+        );
+        let fitting = StageShape {
+            parallelism: 3,
+            ..sink
+        };
+        assert_eq!(check_stages(&[source, count, fitting]), Ok(()));
     }
 }

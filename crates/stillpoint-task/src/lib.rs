@@ -98,7 +98,7 @@ pub use coordinator::{
 };
 pub use debloat::{Debloater, MIN_RECORDS_PER_MESSAGE, records_to_read};
 pub use event_time::{EventClock, EventTimeUpdate, WatermarkGenerator, WatermarkStrategy};
-pub use graph::{GraphError, Partitioning, StageShape, TaskGraph, check_stages};
+pub use graph::{GraphError, Partitioning, StageError, StageShape, TaskGraph, check_stages};
 pub use job_end::JobEnd;
 pub use replay_role::{ReplayRole, SourceGate};
 pub use restore_plan::{
