@@ -757,35 +757,51 @@ impl CachedState {
         field: &[u8],
         change: impl FnOnce(Option<&[u8]>) -> Result<Option<Vec<u8>>, E>,
     ) -> Result<(), E> {
-        let group = self.backend.owned_group(key)?;
-        let known = self.ids.get(state).copied();
-        let cache_key = (
-            known.unwrap_or_else(|| self.id(state)),
-            encode_key(group, key, field),
-        );
-        let new = match self.current.get(&cache_key) {
-            Some(value) => change(value.as_deref())?,
-            // A state never written has no values (as in `lookup`).
-            None if known.is_none() => change(None)?,
+        let (cache_key, new) = match self.cache_key(state, key, field)? {
+            // A state never written has no values; the write gives it an id.
             None => {
-                let value = match self.overlay(&cache_key) {
-                    Some(value) => value,
-                    None => self.backend.get_stored(state, &cache_key.1)?,
+                let new = change(None)?;
+                let group = self.backend.owned_group(key)?;
+                ((self.id(state), encode_key(group, key, field)), new)
+            }
+            Some(cache_key) => {
+                let new = match self.current.get(&cache_key) {
+                    Some(value) => change(value.as_deref())?,
+                    None => {
+                        let value = match self.overlay(&cache_key) {
+                            Some(value) => value,
+                            None => self.backend.get_stored(state, &cache_key.1)?,
+                        };
+                        change(value.as_deref())?
+                    }
                 };
-                change(value.as_deref())?
+                (cache_key, new)
             }
         };
         self.set(cache_key, new);
         Ok(self.make_room()?)
     }
 
+    /// The cache's key for `key`'s `field` in `state` (the key's group checked), or
+    /// `None` for a state never written, which has no values.
+    fn cache_key(
+        &self,
+        state: &str,
+        key: &[u8],
+        field: &[u8],
+    ) -> Result<Option<CacheKey>, StateError> {
+        let group = self.backend.owned_group(key)?;
+        Ok(self
+            .ids
+            .get(state)
+            .map(|id| (*id, encode_key(group, key, field))))
+    }
+
     /// A read served from memory, or the key to read from RocksDB.
     fn lookup(&self, state: &str, key: &[u8], field: &[u8]) -> Result<Lookup, StateError> {
-        let group = self.backend.owned_group(key)?;
-        let Some(id) = self.ids.get(state) else {
-            return Ok(Lookup::Current(None)); // a state never written has no values
+        let Some(cache_key) = self.cache_key(state, key, field)? else {
+            return Ok(Lookup::Current(None));
         };
-        let cache_key = (*id, encode_key(group, key, field));
         if let Some(value) = self.current.get(&cache_key) {
             return Ok(Lookup::Current(value.clone()));
         }

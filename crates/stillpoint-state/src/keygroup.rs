@@ -142,11 +142,11 @@ impl Partitioner {
     /// `records` split over `downstreams` tasks, one batch per task in their order.
     #[must_use]
     pub fn split(&self, records: Vec<Record>, downstreams: usize) -> Vec<Vec<Record>> {
-        let mut per = vec![Vec::new(); downstreams];
         let router = match self {
             // Records share their bytes: a copy per downstream is a reference count.
             Self::Broadcast => return vec![records; downstreams],
             Self::Forward => {
+                let mut per = vec![Vec::new(); downstreams];
                 if let Some(only) = per.first_mut() {
                     *only = records;
                 }
@@ -164,9 +164,7 @@ impl Partitioner {
                 *size += 1;
             }
         }
-        for (bucket, size) in per.iter_mut().zip(sizes) {
-            bucket.reserve_exact(size);
-        }
+        let mut per: Vec<Vec<Record>> = sizes.into_iter().map(Vec::with_capacity).collect();
         for (record, target) in records.into_iter().zip(targets) {
             if let Some(bucket) = per.get_mut(target) {
                 bucket.push(record);
