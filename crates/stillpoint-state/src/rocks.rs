@@ -176,6 +176,17 @@ impl std::fmt::Debug for RocksStateBackend {
     }
 }
 
+/// Whether RocksDB's automatic compactions run in a database being opened.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Compactions {
+    Run,
+    /// Held until [`RocksStateBackend::resume_compactions`]: a restore's. A restored
+    /// materialization often opens with enough L0 files for RocksDB to start a
+    /// compaction at once, which took a core from the replay and the ingestions that
+    /// come next (half of a 2-core restore's CPU samples).
+    Held,
+}
+
 pub(crate) fn write_options() -> WriteOptions {
     let mut options = WriteOptions::default();
     options.disable_wal(true);
@@ -192,6 +203,20 @@ impl RocksStateBackend {
         range: KeyGroupRange,
         owner: StateOwner,
     ) -> Result<Self, StateError> {
+        Self::open_with(path, config, key_groups, range, owner, Compactions::Run)
+    }
+
+    /// [`open`](Self::open) with RocksDB's automatic compactions running or held
+    /// (`Compactions::Held`, a restore's) until
+    /// [`resume_compactions`](Self::resume_compactions).
+    pub(crate) fn open_with(
+        path: impl AsRef<Path>,
+        config: StateConfig,
+        key_groups: KeyGroups,
+        range: KeyGroupRange,
+        owner: StateOwner,
+        compactions: Compactions,
+    ) -> Result<Self, StateError> {
         key_groups.check(range)?;
         let path = path.as_ref().to_path_buf();
         let options = config.rocks_options();
@@ -200,6 +225,8 @@ impl RocksStateBackend {
         } else {
             vec!["default".to_owned()]
         };
+        let mut family_options = options.clone();
+        family_options.set_disable_auto_compactions(compactions == Compactions::Held);
         // Every column family with the tuned options: `DB::open_cf` would open the
         // existing ones with RocksDB's defaults (no bloom filters, no shared block
         // cache, another index), so a restored task — whose states all exist — ran
@@ -207,7 +234,9 @@ impl RocksStateBackend {
         let db = DB::open_cf_with_opts(
             &options,
             &path,
-            families.into_iter().map(|name| (name, options.clone())),
+            families
+                .into_iter()
+                .map(|name| (name, family_options.clone())),
         )
         .map_err(StateError::rocks("opening the database"))?;
         Ok(Self {
@@ -237,6 +266,23 @@ impl RocksStateBackend {
     #[must_use]
     pub fn key_groups(&self) -> KeyGroups {
         self.key_groups
+    }
+
+    /// Lets RocksDB compact every column family again after a restore opened them
+    /// held ([`Compactions::Held`]; a family created since was never held); RocksDB
+    /// schedules what is due at once.
+    pub(crate) fn resume_compactions(&self) -> Result<(), StateError> {
+        let names = DB::list_cf(&self.options, &self.path)
+            .map_err(StateError::rocks("listing column families"))?;
+        for name in names {
+            let Some(cf) = self.db.cf_handle(&name) else {
+                continue;
+            };
+            self.db
+                .set_options_cf(&cf, &[("disable_auto_compactions", "false")])
+                .map_err(StateError::rocks("resuming compactions"))?;
+        }
+        Ok(())
     }
 
     /// The operator states (column families) that exist.
@@ -540,5 +586,80 @@ mod tests {
         assert!(encode_key(1, b"zzz", b"") < encode_key(2, b"a", b""));
         assert_eq!(decode_key(b"\x00"), None);
         assert_eq!(prefix_end(&[1, 2, 0xff]), vec![1, 3]);
+    }
+
+    fn level0_files(backend: &RocksStateBackend) -> u64 {
+        backend
+            .db
+            .property_int_value("rocksdb.num-files-at-level0")
+            .unwrap()
+            .unwrap()
+    }
+
+    /// A database opened for a restore compacts nothing, however many L0 files it
+    /// has, until `resume_compactions`; then RocksDB compacts them on its own.
+    #[test]
+    fn a_restoring_database_holds_its_compactions_until_resumed() {
+        let dir = tempfile::tempdir().unwrap();
+        let groups = KeyGroups::new(128).unwrap();
+        let owner = StateOwner {
+            stream: StreamId(1),
+            task: TaskId(1),
+        };
+        let config = crate::StateConfig::default();
+        let held = Compactions::Held;
+        let backend =
+            RocksStateBackend::open_with(dir.path(), config, groups, groups.all(), owner, held)
+                .unwrap();
+        // Twice RocksDB's default trigger of an L0 compaction (4 files).
+        for round in 0..8_u8 {
+            backend.db.put([round], [round]).unwrap();
+            backend.db.flush().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(level0_files(&backend), 8, "a compaction ran while held");
+        backend.resume_compactions().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while level0_files(&backend) >= 4 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no compaction after resuming"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Writes of several states, in any order, land each in its own state's column
+    /// family (created on first use), and within one batch a later write of a key
+    /// wins, deletes included.
+    #[test]
+    fn write_stored_puts_each_write_in_its_own_states_family() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = crate::StateConfig::default().rocks_options();
+        let db = DB::open(&options, dir.path().join("db")).unwrap();
+        let put = |state, key: &'static [u8], value: &'static [u8]| (state, key, Some(value));
+        let writes: Vec<StoredWrite<'_>> = vec![
+            put("a", b"k1", b"a1"),
+            put("a", b"k2", b"a2"),
+            put("b", b"k1", b"b1"),
+            put("a", b"k3", b"a3"),
+            put("b", b"k2", b"b2"),
+            ("b", b"k2", None),
+        ];
+        write_stored(&db, &options, writes).unwrap();
+        let read = |state: &str, key: &[u8]| {
+            let cf = db.cf_handle(state).unwrap();
+            db.get_cf(&cf, key).unwrap()
+        };
+        assert_eq!(read("a", b"k1"), Some(b"a1".to_vec()));
+        assert_eq!(read("a", b"k2"), Some(b"a2".to_vec()));
+        assert_eq!(read("a", b"k3"), Some(b"a3".to_vec()));
+        assert_eq!(read("b", b"k1"), Some(b"b1".to_vec()));
+        assert_eq!(
+            read("b", b"k2"),
+            None,
+            "the later delete wins within the batch"
+        );
+        assert_eq!(read("b", b"k3"), None);
     }
 }

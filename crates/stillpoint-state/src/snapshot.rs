@@ -15,7 +15,7 @@ use stillpoint_wire::{
 };
 
 use crate::changelog::replay_segments;
-use crate::rocks::{StateOwner, column_family, group_bounds};
+use crate::rocks::{Compactions, StateOwner, column_family, group_bounds};
 use crate::threads::{each_on_threads, threads};
 use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 
@@ -23,6 +23,9 @@ use crate::{KeyGroups, RocksStateBackend, StateConfig, StateError};
 pub const LOCAL_MANIFEST: &str = "stillpoint-snapshot.json";
 
 const BACKEND: &str = "rocksdb";
+
+/// A restore opens its database with RocksDB's compactions held until it is done.
+const HELD: Compactions = Compactions::Held;
 
 /// SHA-256 of immutable SST files, computed once per file and reused by every later
 /// snapshot that shares it; and the files of the previous snapshot (for `shared`).
@@ -347,8 +350,10 @@ impl RocksStateBackend {
         check_restorable(manifest, key_groups)?;
         check_snapshot(snapshot_dir, manifest, digests)?;
         materialize(snapshot_dir, manifest, target.as_ref())?;
-        let backend = Self::open(target, config, key_groups, manifest.key_groups, owner)?;
+        let backend =
+            Self::open_with(target, config, key_groups, manifest.key_groups, owner, HELD)?;
         backend.replay(snapshot_dir, manifest, manifest.key_groups)?;
+        backend.resume_compactions()?;
         Ok(backend)
     }
 
@@ -425,12 +430,13 @@ impl RocksStateBackend {
         let backend = match base {
             Some((dir, manifest)) => {
                 materialize(dir, manifest, target)?;
-                let backend = Self::open(target, config.clone(), key_groups, range, owner)?;
+                let backend =
+                    Self::open_with(target, config.clone(), key_groups, range, owner, HELD)?;
                 backend.clip_to(range)?;
                 backend.replay(dir, manifest, range)?;
                 backend
             }
-            None => Self::open(target, config.clone(), key_groups, range, owner)?,
+            None => Self::open_with(target, config.clone(), key_groups, range, owner, HELD)?,
         };
         let scratch = target.with_extension("rescale-tmp");
         for (index, (dir, manifest)) in snapshots.iter().enumerate() {
@@ -450,6 +456,7 @@ impl RocksStateBackend {
             backend.replay(dir, manifest, part)?;
         }
         let _ = std::fs::remove_dir_all(&scratch);
+        backend.resume_compactions()?;
         Ok(backend)
     }
 

@@ -355,33 +355,43 @@ fn p2(dir: &Path, sizes: &Sizes, loaded: &Loaded) {
     ));
 }
 
-/// Appends one source's input: its half of `keys` distinct words once (the load), or
-/// with `updates > 0` that many words drawn from the first 1 % of the keys.
-fn p3_input(path: &Path, index: u32, keys: u32, updates: u64) {
+/// Opens one source's input file of P3 for appending, 16 words to a line.
+fn p3_writer(path: &Path) -> std::io::BufWriter<std::fs::File> {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
         .unwrap();
-    let mut out = std::io::BufWriter::new(file);
-    if updates == 0 {
-        let mut line = 0;
-        for key in (index..keys).step_by(2) {
-            write!(out, "k{key:09}").unwrap();
-            line += 1;
-            out.write_all(if line % 16 == 0 { b"\n" } else { b" " })
-                .unwrap();
-        }
+    std::io::BufWriter::new(file)
+}
+
+/// Appends one word and its separator: a line break after every 16th.
+fn p3_word(out: &mut impl std::io::Write, key: u64, nth: u64) {
+    write!(out, "k{key:09}").unwrap();
+    out.write_all(if nth % 16 == 15 { b"\n" } else { b" " })
+        .unwrap();
+}
+
+/// Appends the load of source `index` (of 2): its half of `keys` distinct words, once.
+fn p3_load_input(path: &Path, index: u32, keys: u32) {
+    let mut out = p3_writer(path);
+    for (nth, key) in (index..keys).step_by(2).enumerate() {
+        p3_word(&mut out, u64::from(key), nth as u64);
     }
+    out.write_all(b"\n").unwrap();
+}
+
+/// Appends the updates of source `index`: `updates` words drawn from the first 1 % of
+/// `keys`.
+fn p3_update_input(path: &Path, index: u32, keys: u32, updates: u64) {
+    let mut out = p3_writer(path);
     let hot = (keys / 100).max(1);
     let mut z = u64::from(index) + 1;
-    for i in 0..updates {
+    for nth in 0..updates {
         z = z
             .wrapping_mul(6_364_136_223_846_793_005)
             .wrapping_add(1_442_695_040_888_963_407);
-        write!(out, "k{:09}", (z >> 33) % u64::from(hot)).unwrap();
-        out.write_all(if i % 16 == 15 { b"\n" } else { b" " })
-            .unwrap();
+        p3_word(&mut out, (z >> 33) % u64::from(hot), nth);
     }
     out.write_all(b"\n").unwrap();
 }
@@ -403,7 +413,7 @@ fn p3(dir: &Path, sizes: &Sizes) {
     std::fs::create_dir_all(&inputs).unwrap();
     let paths: Vec<PathBuf> = (0..2).map(|i| inputs.join(format!("{i}.txt"))).collect();
     for (i, path) in paths.iter().enumerate() {
-        p3_input(path, i as u32, sizes.p3_keys, 0);
+        p3_load_input(path, i as u32, sizes.p3_keys);
     }
     let job = WordCount {
         sources: 2,
@@ -418,7 +428,7 @@ fn p3(dir: &Path, sizes: &Sizes) {
     config.checkpoint_interval = OFF;
     stillpoint::run(&config, &job, RunOptions::default()).unwrap();
     for (i, path) in paths.iter().enumerate() {
-        p3_input(path, i as u32, sizes.p3_keys, sizes.p3_updates);
+        p3_update_input(path, i as u32, sizes.p3_keys, sizes.p3_updates);
     }
     // A quarter of the interval: the updates touch 1 % of the keys however long a
     // checkpoint's stretch is, and a fast machine still takes several checkpoints.
