@@ -24,9 +24,6 @@ pub const LOCAL_MANIFEST: &str = "stillpoint-snapshot.json";
 
 const BACKEND: &str = "rocksdb";
 
-/// A restore opens its database with RocksDB's compactions held until it is done.
-const HELD: Compactions = Compactions::Held;
-
 /// SHA-256 of immutable SST files, computed once per file and reused by every later
 /// snapshot that shares it; and the files of the previous snapshot (for `shared`).
 #[derive(Debug, Default)]
@@ -350,8 +347,14 @@ impl RocksStateBackend {
         check_restorable(manifest, key_groups)?;
         check_snapshot(snapshot_dir, manifest, digests)?;
         materialize(snapshot_dir, manifest, target.as_ref())?;
-        let backend =
-            Self::open_with(target, config, key_groups, manifest.key_groups, owner, HELD)?;
+        let backend = Self::open_with(
+            target,
+            config,
+            key_groups,
+            manifest.key_groups,
+            owner,
+            Compactions::Held,
+        )?;
         backend.replay(snapshot_dir, manifest, manifest.key_groups)?;
         backend.resume_compactions()?;
         Ok(backend)
@@ -430,13 +433,26 @@ impl RocksStateBackend {
         let backend = match base {
             Some((dir, manifest)) => {
                 materialize(dir, manifest, target)?;
-                let backend =
-                    Self::open_with(target, config.clone(), key_groups, range, owner, HELD)?;
+                let backend = Self::open_with(
+                    target,
+                    config.clone(),
+                    key_groups,
+                    range,
+                    owner,
+                    Compactions::Held,
+                )?;
                 backend.clip_to(range)?;
                 backend.replay(dir, manifest, range)?;
                 backend
             }
-            None => Self::open_with(target, config.clone(), key_groups, range, owner, HELD)?,
+            None => Self::open_with(
+                target,
+                config.clone(),
+                key_groups,
+                range,
+                owner,
+                Compactions::Held,
+            )?,
         };
         let scratch = target.with_extension("rescale-tmp");
         for (index, (dir, manifest)) in snapshots.iter().enumerate() {
